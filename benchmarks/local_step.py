@@ -1,0 +1,93 @@
+"""Local-step benchmark: plain SGD vs DP-FedAvg vs FedFDP steps on the FedAvgCNN, side by side.
+
+Usage::
+
+    python benchmarks/local_step.py [--batch-sizes 64 256] [--repeats 30] [--engines ghost vmap]
+
+Each configuration is timed in interleaved rounds (plain, DP, FedFDP, plain, ...) so that machine
+load affects all of them alike; the median per step is reported with the ratio to plain SGD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fedfdp.client import ClientModule  # noqa: E402
+from fedfdp.models import FedAvgCNN  # noqa: E402
+from fedfdp.privacy.clipping import FairClip, FlatClip  # noqa: E402
+from fedfdp.seeding import torch_generator  # noqa: E402
+from fedfdp.types import LocalBatch  # noqa: E402
+
+
+def make_steps(batch_size: int, engine: str, device: str) -> dict[str, callable]:
+    """One closure per step kind, each running a full local step (forward, gradients, update)."""
+    torch.manual_seed(0)
+    x = torch.randn(batch_size, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+    client = ClientModule(FedAvgCNN(), per_sample=engine).to(device)
+    gen = torch_generator(0, "bench", device=device)
+    noise = 2.0 * 0.1
+
+    def plain() -> None:
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01))
+
+    def dp_fedavg() -> None:
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(0.1), noise_std=noise,
+                                        denominator=float(batch_size), generator=gen))
+
+    def fedfdp() -> None:
+        rule = FairClip(0.1, fairness_weight=0.1, broadcast_loss=1.0)
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=rule, noise_std=noise,
+                                        denominator=float(batch_size), generator=gen))
+
+    return {"plain SGD": plain, "DP-FedAvg": dp_fedavg, "FedFDP": fedfdp}
+
+
+def bench(batch_size: int, engine: str, repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per step of each step kind, measured interleaved."""
+    steps = make_steps(batch_size, engine, device)
+    for fn in steps.values():  # warm-up
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--engines", nargs="+", default=["ghost", "vmap"], choices=["ghost", "vmap"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(f"{'engine':<7} {'batch':>5} {'plain ms':>9} {'DP ms':>8} {'FedFDP ms':>10} {'DP/plain':>9} {'FDP/plain':>10}")
+    for engine in args.engines:
+        for batch_size in args.batch_sizes:
+            t = bench(batch_size, engine, args.repeats, args.device)
+            p, d, f = t["plain SGD"], t["DP-FedAvg"], t["FedFDP"]
+            print(f"{engine:<7} {batch_size:>5} {p * 1e3:>9.2f} {d * 1e3:>8.2f} {f * 1e3:>10.2f} "
+                  f"{d / p:>9.2f} {f / p:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

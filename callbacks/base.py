@@ -1,0 +1,58 @@
+"""Federation hooks on top of Lightning's ``Callback``.
+
+A :class:`FederationCallback` is an ordinary Lightning callback (it lives in ``trainer.callbacks``,
+gets ``setup``/``state_dict``/checkpoint hooks, and is configured with ``class_path``) with extra
+hooks that the federation loop calls in a fixed phase order each round::
+
+    on_round_start → (per client: local update → on_client_update) → on_before_aggregate
+    → aggregation → on_round_end → [evaluation → on_evaluate]
+
+The order is set by the phases, not by the list order of ``trainer.callbacks``: every
+``on_client_update`` (where releases are privatised) runs before ``on_before_aggregate`` (where
+they are charged to the accountant) and before the server reads anything.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch import Callback, Trainer
+
+if TYPE_CHECKING:
+    from fedfdp.client import ClientModule
+    from fedfdp.federation import Federation
+    from fedfdp.metrics import EvaluationResult
+    from fedfdp.privacy.accounting import DPEvent
+    from fedfdp.types import ClientData, ClientUpdate, RoundContext
+
+
+class FederationCallback(Callback):
+    """Base class of callbacks with federation hooks; every hook is a no-op by default."""
+
+    def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
+        """An upper bound on the number of rounds this callback allows (None: no bound)."""
+        return None
+
+    def planned_dp_events(self, federation: Federation, client_id: int) -> list[tuple[str, DPEvent]]:
+        """DP events this callback adds to one round of ``client_id`` (for budget planning)."""
+        return []
+
+    def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,
+                       client_ids: list[int]) -> None:
+        """Called before any client of the round trains."""
+
+    def on_client_update(self, trainer: Trainer, federation: Federation, client: ClientModule,
+                         data: ClientData, update: ClientUpdate) -> None:
+        """Called after one client's local update, with the local model still loaded in ``client``."""
+
+    def on_before_aggregate(self, trainer: Trainer, federation: Federation,
+                            updates: list[ClientUpdate]) -> None:
+        """Called once all clients of the round have uploaded, before the server aggregates."""
+
+    def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
+                     updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
+        """Called after aggregation; add scalars to ``metrics`` to have them logged this round."""
+
+    def on_evaluate(self, trainer: Trainer, federation: Federation, result: EvaluationResult,
+                    metrics: dict[str, Any]) -> None:
+        """Called after the global model was evaluated (every ``eval_every`` rounds and at the end)."""

@@ -1,0 +1,150 @@
+"""Loss reporting: the scalar each client uploads with its model (FedFair / FedFDP).
+
+:class:`LossReporting` uploads the exact training loss of the local model (non-private FedFair,
+Alg. 1). :class:`NoisyLossReporting` is FedFDP's private release (J Eq. 14-15, Alg. 2): losses
+of the updated local model on a fresh Poisson sample, clipped to ``[0, C_l^{i,t}]``, summed,
+noised with ``N(0, (σ_l C_l^{i,t})²)``, divided by the expected sample size, and charged to the
+client's ledger as one SGM(q, σ_l) event. The next bound ``C_l^{i,t+1}`` is post-processing of
+the released value (spec §1.4, A-8).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch import Trainer
+
+from callbacks.base import FederationCallback
+from fedfdp.aggregate import weighted_scalar_mean
+from fedfdp.errors import ConfigError, require
+from fedfdp.metrics import weighted_variance
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.release import LossClipRule, NormalizeBy, batch_denominator, next_loss_bound, noisy_loss_release
+from fedfdp.seeding import poisson_mask, torch_generator
+from fedfdp.types import LOSS_RELEASE, ClientData, ClientUpdate, RoundContext
+
+if TYPE_CHECKING:
+    from fedfdp.client import ClientModule
+    from fedfdp.federation import Federation
+
+
+class LossReporting(FederationCallback):
+    """Uploads the local model's mean training loss ``F_i(w_{t+1}^i)`` (non-private).
+
+    Args:
+        eval_batch_size: batch size of the loss pass over the client's training split.
+    """
+
+    def __init__(self, *, eval_batch_size: int = 4096) -> None:
+        require(eval_batch_size >= 1, f"LossReporting.eval_batch_size must be >= 1, got {eval_batch_size}")
+        self.eval_batch_size = eval_batch_size
+
+    @torch.no_grad()
+    def _losses(self, client: ClientModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        parts = [client.per_sample_loss(client(x[i:i + self.eval_batch_size]), y[i:i + self.eval_batch_size])
+                 for i in range(0, y.shape[0], self.eval_batch_size)]
+        return torch.cat(parts) if parts else torch.zeros(0, device=y.device)
+
+    def on_client_update(self, trainer: Trainer, federation: Federation, client: ClientModule,
+                         data: ClientData, update: ClientUpdate) -> None:
+        """Set ``update.reported_loss`` to the exact mean loss over the training split."""
+        loss = float(self._losses(client, data.x, data.y).mean())
+        update.reported_loss = loss
+        update.diagnostics["local_loss"] = loss
+
+    def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
+                     updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
+        """Log the code-style Ψ: weighted variance of the local models' training losses."""
+        local = [u.diagnostics.get("local_loss") for u in updates]
+        if all(v is not None for v in local):
+            weights = [u.num_examples for u in updates]
+            mean = weighted_scalar_mean(local, weights)  # type: ignore[arg-type]
+            metrics["psi_code"] = weighted_variance(local, weights, mean)  # type: ignore[arg-type]
+
+
+class NoisyLossReporting(LossReporting):
+    """FedFDP's differentially private loss upload with the adaptive clip bound.
+
+    Args:
+        loss_bound: initial clip bound ``C_l`` (paper 2.5).
+        noise_multiplier: ``σ_l`` (paper 5.0); noise std on the sum is ``σ_l·C_l^{i,t}``.
+        sample_rate: Poisson rate of the loss sample (None: the algorithm's q, as Theorem 4).
+        loss_clip_rule: next-bound rule (spec §1.4): ``paper_adaptive`` (default), ``fixed``,
+            ``scaled_adaptive``, ``floor``.
+        bound_scale: κ for ``scaled_adaptive``.
+        bound_floor: ``c_min`` for ``floor``.
+        normalize_by: ``expected`` (q|D_i|, default) or ``realized`` (the code's count; leaks it).
+        eval_batch_size: batch size of the loss pass.
+    """
+
+    def __init__(self, *, loss_bound: float = 2.5, noise_multiplier: float = 5.0,
+                 sample_rate: float | None = None, loss_clip_rule: LossClipRule = "paper_adaptive",
+                 bound_scale: float = 1.5, bound_floor: float = 0.1,
+                 normalize_by: Literal["expected", "realized"] = "expected", eval_batch_size: int = 4096) -> None:
+        super().__init__(eval_batch_size=eval_batch_size)
+        require(loss_bound > 0, f"NoisyLossReporting.loss_bound must be > 0, got {loss_bound}")
+        require(noise_multiplier > 0, f"NoisyLossReporting.noise_multiplier must be > 0, got {noise_multiplier}")
+        require(sample_rate is None or 0 < sample_rate <= 1,
+                f"NoisyLossReporting.sample_rate must be in (0, 1] or null, got {sample_rate}")
+        rules = LossClipRule.__args__  # type: ignore[attr-defined]
+        require(loss_clip_rule in rules, f"NoisyLossReporting.loss_clip_rule must be one of {list(rules)}, "
+                                         f"got {loss_clip_rule!r}")
+        require(normalize_by in ("expected", "realized"),
+                f"NoisyLossReporting.normalize_by must be 'expected' or 'realized', got {normalize_by!r}")
+        self.loss_bound = loss_bound
+        self.noise_multiplier = noise_multiplier
+        self.sample_rate = sample_rate
+        self.loss_clip_rule = loss_clip_rule
+        self.bound_scale = bound_scale
+        self.bound_floor = bound_floor
+        self.normalize_by: NormalizeBy = normalize_by
+        self.bounds: dict[int, float] = {}  # C_l^{i,t}; clients absent still have the initial bound
+
+    def _rate(self, federation: Federation) -> float:
+        rate = self.sample_rate if self.sample_rate is not None else getattr(federation.algorithm, "sample_rate", None)
+        if rate is None:
+            raise ConfigError("NoisyLossReporting.sample_rate must be set: the algorithm has no sample_rate")
+        return float(rate)
+
+    def bound(self, client_id: int) -> float:
+        """The current clip bound ``C_l^{i,t}`` of a client."""
+        return self.bounds.get(client_id, self.loss_bound)
+
+    def planned_dp_events(self, federation: Federation, client_id: int) -> list[tuple[str, DPEvent]]:
+        """One SGM(q, σ_l) per round (Theorem 2's second mechanism)."""
+        return [(LOSS_RELEASE, DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self._rate(federation)))]
+
+    def on_client_update(self, trainer: Trainer, federation: Federation, client: ClientModule,
+                         data: ClientData, update: ClientUpdate) -> None:
+        """Release ``F̃_i`` on a fresh Poisson sample (spec A-7) and append its DP event."""
+        rate = self._rate(federation)
+        gen = torch_generator(federation.seed, "loss", federation.current_round, data.client_id, device=data.y.device)
+        mask = poisson_mask(data.size, rate, gen)
+        losses = self._losses(client, data.x[mask], data.y[mask])
+        bound = self.bound(data.client_id)
+        denominator = batch_denominator(self.normalize_by, sample_rate=rate, dataset_size=data.size,
+                                        realized=int(losses.shape[0]), constant=1.0)
+        released = noisy_loss_release(losses, bound=bound, noise_multiplier=self.noise_multiplier,
+                                      denominator=denominator, generator=gen)
+        update.reported_loss = released
+        update.dp_events.extend(self.planned_dp_events(federation, data.client_id))
+        self.bounds[data.client_id] = next_loss_bound(self.loss_clip_rule, released=released, initial=self.loss_bound,
+                                                      scale=self.bound_scale, floor=self.bound_floor)
+        update.diagnostics["loss_bound"] = bound
+        if losses.numel():  # the code's Ψ input: raw (non-noisy) batch loss; simulation-only diagnostic
+            update.diagnostics["local_loss"] = float(losses.mean())
+
+    def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
+                     updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
+        """Log ``psi_code`` and the mean loss clip bound."""
+        super().on_round_end(trainer, federation, context, updates, metrics)
+        metrics["loss_bound_mean"] = sum(self.bound(c) for c in range(federation.num_clients)) / federation.num_clients
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-client loss bounds."""
+        return {"bounds": dict(self.bounds)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the per-client loss bounds."""
+        self.bounds = {int(k): float(v) for k, v in state_dict["bounds"].items()}

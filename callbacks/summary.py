@@ -1,0 +1,124 @@
+"""Run outputs: ``summary.json`` in the run directory and a per-client table in W&B."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch import LightningModule, Trainer
+
+from callbacks.accounting import RDPAccounting
+from callbacks.base import FederationCallback
+
+if TYPE_CHECKING:
+    from fedfdp.federation import Federation
+    from fedfdp.metrics import EvaluationResult
+
+logger = logging.getLogger(__name__)
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process (MB)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON through a temporary file and ``os.replace`` so a crash never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class RunSummary(FederationCallback):
+    """Writes ``summary.json`` after every evaluation (so an interrupted run keeps its results).
+
+    Contents: rounds run, the final evaluation (pooled accuracy, per-client accuracy and loss, Ψ
+    variants, accuracy dispersion), the best pooled accuracy, ε spent (and budgeted ε), seconds
+    per round and peak memory.
+
+    Args:
+        dirpath: where to write (default: the trainer's ``default_root_dir``, i.e. the run directory).
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.best_accuracy: float | None = None
+        self.best_round: int | None = None
+        self.history: list[dict[str, float]] = []
+
+    def _path(self, trainer: Trainer) -> Path:
+        path = Path(self.dirpath or trainer.default_root_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path / "summary.json"
+
+    def on_evaluate(self, trainer: Trainer, federation: Federation, result: EvaluationResult,
+                    metrics: dict[str, Any]) -> None:
+        """Record the evaluation and rewrite the summary."""
+        acc = result.scalars["accuracy"]
+        if self.best_accuracy is None or acc > self.best_accuracy:
+            self.best_accuracy, self.best_round = acc, result.round
+        self.history.append({"round": result.round, **result.scalars})
+        write_json_atomic(self._path(trainer), self.summary(trainer, federation, result))
+
+    def summary(self, trainer: Trainer, federation: Federation, result: EvaluationResult) -> dict[str, Any]:
+        """The summary dictionary for the latest evaluation."""
+        accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
+        seconds = federation.round_seconds
+        out: dict[str, Any] = {
+            "rounds_run": result.round,
+            "rounds_planned": federation.total_rounds,
+            "algorithm": type(federation.algorithm).__name__,
+            "num_clients": federation.num_clients,
+            "final": dict(result.scalars),
+            "best_accuracy": self.best_accuracy,
+            "best_accuracy_round": self.best_round,
+            "clients": {"accuracy": result.client_accuracy.tolist(), "loss": result.client_loss.tolist(),
+                        "train_size": [int(w) for w in result.weights.tolist()]},
+            "seconds_per_round": sum(seconds) / len(seconds) if seconds else None,
+            "peak_memory_mb": peak_memory_mb(),
+            "dp_valid": bool(getattr(federation.algorithm, "dp_valid", True)),
+            "history": self.history,
+        }
+        if accountant is not None:
+            out["epsilon"] = accountant.epsilon()
+            out["epsilon_budgeted"] = accountant.budgeted_epsilon()
+            out["delta"] = accountant.delta
+            out["target_epsilon"] = accountant.target_epsilon
+            out["accounting_mode"] = accountant.accounting_mode
+        return out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log where the summary is."""
+        logger.info("summary written to %s", self._path(trainer))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Best accuracy and the evaluation history (so a resumed run's summary is complete)."""
+        return {"best_accuracy": self.best_accuracy, "best_round": self.best_round, "history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.best_accuracy = state_dict["best_accuracy"]
+        self.best_round = state_dict["best_round"]
+        self.history = list(state_dict["history"])
+
+
+class ClientTableLogger(FederationCallback):
+    """Logs a per-client table (size, accuracy, loss) to every W&B logger at each evaluation."""
+
+    def on_evaluate(self, trainer: Trainer, federation: Federation, result: EvaluationResult,
+                    metrics: dict[str, Any]) -> None:
+        """One W&B table row per client."""
+        from lightning.pytorch.loggers import WandbLogger  # wandb is only needed when used
+
+        rows = [[cid, int(w), float(a), float(l)] for cid, (w, a, l) in
+                enumerate(zip(result.weights.tolist(), result.client_accuracy.tolist(), result.client_loss.tolist()))]
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger):
+                lg.log_table(key="clients", columns=["client", "train_size", "accuracy", "loss"], data=rows,
+                             step=trainer.global_step)

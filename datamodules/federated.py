@@ -1,0 +1,300 @@
+"""Base datamodule that partitions one dataset across simulated federated clients (spec §4.3).
+
+Pipeline of :meth:`FederatedDataModule.setup`: load arrays → optionally merge the official
+train and test splits → check labels and image shape → partition (Dirichlet label skew or IID,
+``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test →
+normalise ``(x / 255 - mean) / std`` per client into contiguous float32 tensors.
+
+The module deliberately defines no ``*_dataloader`` hooks: the federation builds its own
+per-client loaders from :meth:`client_train` / :meth:`client_test`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+
+from datamodules.partition import (
+    dirichlet_partition,
+    iid_partition,
+    partition_fingerprint,
+    train_test_split_indices,
+)
+from fedfdp.errors import ConfigError, DataError, require
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FederatedDataModule", "check_fields"]
+
+Split = tuple[Tensor, Tensor]
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer ``>= minimum`` and not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_real(value: object) -> bool:
+    """Whether ``value`` is a finite real number and not a bool."""
+    real = (int, float, np.integer, np.floating)
+    return isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_fields(**checks: tuple[object, bool, str]) -> None:
+    """Raise ConfigError ``"data.<field> must be <accepted>, got <value>"`` for the first failed check.
+
+    Args:
+        **checks: ``field=(value, ok, accepted)`` triples, checked in order.
+    """
+    for field, (value, ok, accepted) in checks.items():
+        require(ok, f"data.{field} must be {accepted}, got {value!r}")
+
+
+class FederatedDataModule(L.LightningDataModule):
+    """A dataset split into per-client train and test tensors.
+
+    Subclasses implement :meth:`load_arrays` and set the class attributes ``num_classes``,
+    ``mean``, ``std`` (one value per channel) and optionally ``expected_input_shape``.
+
+    Args:
+        data_dir: Root folder of the dataset files.
+        num_clients: Number of clients the data is split across (>= 1).
+        partition: ``"dirichlet"`` (label skew, PFLlib routine) or ``"iid"`` (uniform split).
+        alpha: Dirichlet concentration (> 0); 0.1 is the paper's default strong skew.
+        min_size: Minimum samples per client for the Dirichlet partition (>= 2); ``None``
+            means the number of classes (PFLlib's rule).
+        train_fraction: Fraction of each client's samples used for training, in (0, 1).
+        merge_official_splits: Merge the official train and test splits before partitioning
+            (the paper's setting); if false only the official train split is partitioned.
+        partition_seed: Seed of the partition and of the per-client train/test split (>= 0).
+        download: Download missing files (needs network access).
+    """
+
+    num_classes: int = 0
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+    #: (C, H, W) the loaded images must have; ``None`` accepts any shape.
+    expected_input_shape: tuple[int, int, int] | None = None
+
+    def __init__(
+        self,
+        *,
+        data_dir: str = "data",
+        num_clients: int = 10,
+        partition: Literal["dirichlet", "iid"] = "dirichlet",
+        alpha: float = 0.1,
+        min_size: int | None = None,
+        train_fraction: float = 0.75,
+        merge_official_splits: bool = True,
+        partition_seed: int = 1,
+        download: bool = False,
+    ) -> None:
+        super().__init__()
+        check_fields(
+            data_dir=(data_dir, isinstance(data_dir, str) and data_dir != "", "a non-empty path"),
+            num_clients=(num_clients, _is_int(num_clients, 1), "an integer >= 1"),
+            partition=(partition, partition in ("dirichlet", "iid"), "'dirichlet' or 'iid'"),
+            alpha=(alpha, _is_real(alpha) and alpha > 0, "a finite number > 0"),
+            min_size=(min_size, min_size is None or _is_int(min_size, 2), "null or an integer >= 2"),
+            train_fraction=(train_fraction, _is_real(train_fraction) and 0 < train_fraction < 1, "in (0, 1)"),
+            merge_official_splits=(
+                merge_official_splits, isinstance(merge_official_splits, bool), "true or false"
+            ),
+            partition_seed=(partition_seed, _is_int(partition_seed, 0), "an integer >= 0"),
+            download=(download, isinstance(download, bool), "true or false"),
+        )
+        self.data_dir = data_dir
+        self.num_clients = int(num_clients)
+        self.partition = partition
+        self.alpha = float(alpha)
+        self.min_size = min_size
+        self.train_fraction = float(train_fraction)
+        self.merge_official_splits = merge_official_splits
+        self.partition_seed = int(partition_seed)
+        self.download = download
+        self.train_sizes = np.zeros(0, dtype=np.int64)
+        self.test_sizes = np.zeros(0, dtype=np.int64)
+        self._splits: tuple[list[Split], list[Split]] | None = None
+        self._indices: list[tuple[np.ndarray, np.ndarray]] = []
+        self._input_shape: tuple[int, int, int] | None = None
+        self._pooled: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._pending_state: dict[str, Any] | None = None
+
+    def load_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Return ``(images, labels, official_test_images, official_test_labels)``.
+
+        Images are ``uint8`` in [0, 255] or floating in [0, 1] (then not divided by 255),
+        shaped ``(N, C, H, W)`` or ``(N, H, W)``; labels are integers ``(N,)``. The official
+        test pair may be ``None``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement load_arrays()")
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, stage: str | None = None) -> None:
+        """Load, partition, split and normalise the data once (later calls do nothing)."""
+        if self._splits is not None:
+            return
+        x, y = self._merged_arrays()
+        rng = np.random.default_rng(self.partition_seed)
+        try:
+            if self.partition == "dirichlet":
+                parts = dirichlet_partition(y, self.num_clients, self.alpha, min_size=self.min_size, rng=rng)
+            else:
+                parts = iid_partition(len(y), self.num_clients, rng=rng)
+            self._indices = [train_test_split_indices(p, self.train_fraction, rng) for p in parts]
+        except ConfigError as exc:  # partition messages start with the argument name
+            raise ConfigError(f"data.{exc}") from exc
+        train = [self._client_tensors(x, y, tr) for tr, _ in self._indices]
+        self._splits = (train, [self._client_tensors(x, y, te) for _, te in self._indices])
+        self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
+        self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
+        logger.info(
+            "%s: %d samples over %d clients; train sizes %s; test sizes %s",
+            type(self).__name__,
+            len(y),
+            self.num_clients,
+            self.train_sizes.tolist(),
+            self.test_sizes.tolist(),
+        )
+        if self._pending_state is not None:
+            pending, self._pending_state = self._pending_state, None
+            self.load_state_dict(pending)
+
+    def _merged_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Load the arrays, merge the official splits if asked, check them; images get a C dim."""
+        x, y, x_test, y_test = self.load_arrays()
+        if self.merge_official_splits and x_test is not None and y_test is not None:
+            self._check(x_test, y_test, "official test split")
+            x, y = np.concatenate([x, x_test]), np.concatenate([y, y_test])
+        self._check(x, y, "data")
+        x = x[:, None] if x.ndim == 3 else x
+        self._input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+        return x, y
+
+    def _check(self, x: np.ndarray, y: np.ndarray, what: str) -> None:
+        """Raise DataError unless ``x``/``y`` are matching images and labels in range."""
+        where = f"{type(self).__name__} {what}"
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{where}: labels must be a 1-D integer array, got {y.shape} {y.dtype}")
+        if x.ndim not in (3, 4) or len(x) != len(y):
+            raise DataError(f"{where}: images must be (N, H, W) or (N, C, H, W) with N={len(y)}, got {x.shape}")
+        if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
+            raise DataError(f"{where}: labels must be in [0, {self.num_classes}), got range [{y.min()}, {y.max()}]")
+        shape = (1, *x.shape[1:]) if x.ndim == 3 else tuple(x.shape[1:])
+        expected = self.expected_input_shape
+        if (expected is not None and shape != tuple(expected)) or shape[0] != len(self.mean):
+            accepted = expected or (len(self.mean), "H", "W")
+            raise DataError(f"{where}: images must be (C, H, W) = {accepted}, got {shape}")
+
+    def _client_tensors(self, x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
+        """Gather one client's samples into a normalised contiguous float32 / int64 pair."""
+        xs = torch.from_numpy(x[idx]).to(torch.float32)
+        if x.dtype == np.uint8:
+            xs.div_(255.0)
+        xs.sub_(torch.tensor(self.mean).view(-1, 1, 1)).div_(torch.tensor(self.std).view(-1, 1, 1))
+        return xs.contiguous(), torch.from_numpy(y[idx].astype(np.int64))
+
+    # ------------------------------------------------------------------ public API
+    def _split(self, which: int) -> list[Split]:
+        """Per-client train (0) or test (1) tensors; RuntimeError before setup()."""
+        if self._splits is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must be called before accessing client data")
+        return self._splits[which]
+
+    def _client(self, which: int, cid: int) -> Split:
+        """Client ``cid``'s train (0) or test (1) split after range-checking ``cid``."""
+        splits = self._split(which)
+        if not _is_int(cid, 0) or cid >= self.num_clients:
+            raise IndexError(f"client id must be in [0, {self.num_clients}), got {cid!r}")
+        return splits[cid]
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one sample (known before setup when the class fixes it)."""
+        shape = self._input_shape or self.expected_input_shape
+        if shape is None:
+            raise RuntimeError(f"{type(self).__name__}.input_shape is known only after setup()")
+        return (int(shape[0]), int(shape[1]), int(shape[2]))
+
+    def train_dataloader(self) -> Any:
+        """Federated training iterates over rounds, not samples: the federation module supplies them.
+
+        Lightning asks an attached datamodule first; the clients' data is read by the federation
+        through :meth:`client_train` instead.
+        """
+        return self.trainer.lightning_module.train_dataloader()
+
+    def client_train(self, cid: int) -> Split:
+        """Client ``cid``'s training split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""
+        return self._client(0, cid)
+
+    def client_test(self, cid: int) -> Split:
+        """Client ``cid``'s test split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""
+        return self._client(1, cid)
+
+    def _pool(self, which: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Concatenate every client's train (0) or test (1) split once, with int64 client ids."""
+        if which not in self._pooled:
+            splits = self._split(which)
+            sizes = torch.tensor([len(yc) for _, yc in splits], dtype=torch.int64)
+            self._pooled[which] = (
+                torch.cat([xc for xc, _ in splits]),
+                torch.cat([yc for _, yc in splits]),
+                torch.repeat_interleave(torch.arange(self.num_clients, dtype=torch.int64), sizes),
+            )
+        return self._pooled[which]
+
+    def pooled_train(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Union of all client train splits: ``(x, y, client_id)``, built once and cached."""
+        return self._pool(0)
+
+    def pooled_test(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Union of all client test splits (the "server test set"): ``(x, y, client_id)``, cached."""
+        return self._pool(1)
+
+    def label_histogram(self) -> np.ndarray:
+        """Per-client label counts of the train splits, int64 ``(num_clients, num_classes)``."""
+        return np.stack([torch.bincount(yc, minlength=self.num_classes).numpy() for _, yc in self._split(0)])
+
+    # ------------------------------------------------------------------ resume safety
+    def partition_config(self) -> dict[str, Any]:
+        """Settings that determine the partition (hashed into the fingerprint; subclasses extend it)."""
+        keys = ("num_clients", "partition", "alpha", "min_size", "train_fraction", "merge_official_splits")
+        return {"dataset": type(self).__name__, **{k: getattr(self, k) for k in (*keys, "partition_seed")}}
+
+    def fingerprint(self) -> str:
+        """Sha256 over :meth:`partition_config` and every client's train/test index arrays."""
+        self._split(0)
+        return partition_fingerprint(self.partition_config(), self._indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the partition fingerprint, its config and the client sizes."""
+        return {
+            "fingerprint": self.fingerprint(),
+            "config": self.partition_config(),
+            "train_sizes": self.train_sizes.tolist(),
+            "test_sizes": self.test_sizes.tolist(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise DataError unless a checkpoint's partition equals this one (checked after setup)."""
+        if self._splits is None:
+            self._pending_state = dict(state_dict)
+            return
+        if "fingerprint" not in state_dict:
+            raise DataError("datamodule state in the checkpoint has no 'fingerprint'; expected a fedfdp data state")
+        current = self.fingerprint()
+        if state_dict["fingerprint"] != current:
+            old, new = state_dict.get("config", {}), self.partition_config()
+            diff = {k: (old.get(k), new.get(k)) for k in sorted({*old, *new}) if old.get(k) != new.get(k)}
+            raise DataError(
+                f"data partition differs from the checkpoint's (fingerprint {str(state_dict['fingerprint'])[:12]} "
+                f"vs {current[:12]}; changed data.* settings (checkpoint, now): {diff or 'none, the data differs'}); "
+                "resume with the checkpoint's data settings and files"
+            )

@@ -1,0 +1,67 @@
+"""The algorithm interface: a server half and a client half, each hook with a FedAvg default.
+
+Adding an algorithm means subclassing :class:`Algorithm` (usually one of the shipped ones) in
+one module and writing one config; the federation loop (:mod:`fedfdp.federation`) never changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from fedfdp.aggregate import weighted_mean
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
+
+if TYPE_CHECKING:
+    from callbacks.base import FederationCallback
+    from fedfdp.client import ClientModule
+    from fedfdp.federation import Federation
+
+
+class Algorithm:
+    """Base federated algorithm (its defaults are FedAvg's server: the p_i-weighted mean).
+
+    Class attributes:
+        required_callbacks: callback types the run must have. The federation refuses to start
+            without an instance of each (e.g. an algorithm that releases losses under DP needs
+            the callback that privatises and accounts them).
+    """
+
+    required_callbacks: ClassVar[tuple[type[FederationCallback], ...]] = ()
+
+    def setup(self, federation: Federation) -> None:
+        """Validate against the data and prepare state; called once when fitting starts."""
+
+    # ---- server half ------------------------------------------------------------------------
+    def configure_round(self, round_idx: int) -> RoundContext:
+        """What the server broadcasts besides ``w_t`` (nothing by default)."""
+        return RoundContext(round=round_idx)
+
+    def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
+        """New global model from the uploads: ``Σ_i p_i w_{t+1}^i`` with ``p_i ∝ |D_i|``."""
+        return weighted_mean([u.params for u in updates], [u.num_examples for u in updates])
+
+    def on_round_end(self, updates: list[ClientUpdate], context: RoundContext) -> dict[str, float]:
+        """Update server state after aggregation; return scalars to log."""
+        return {}
+
+    # ---- client half ------------------------------------------------------------------------
+    def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
+                     generator: torch.Generator) -> ClientUpdate:
+        """Train ``client`` (holding ``w_t``) on ``data``; return the upload."""
+        raise NotImplementedError
+
+    def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
+        """The DP events of one round of local training (empty for non-private algorithms)."""
+        return []
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Server state to checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""

@@ -1,0 +1,118 @@
+"""The client: a LightningModule whose manual-optimization step is the (fair-clipped) DP-SGD step.
+
+One :class:`ClientModule` instance is reused for every client of a round (the federation loads
+``w_t`` into it, runs the algorithm's local update, and reads the local model back), so memory
+does not grow with the number of clients and no Trainer is built per client.
+
+Bring a new model by passing any ``nn.Module`` (no BatchNorm) as ``net``, or subclass and
+override :meth:`per_sample_loss` for a different task.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from fedfdp.privacy.per_sample import make_engine
+from fedfdp.privacy.release import add_gaussian_noise
+from fedfdp.types import LocalBatch, StepOutput
+
+
+class ClientModule(LightningModule):
+    """A federated client's model and its local step.
+
+    Args:
+        net: the model (any ``nn.Module`` whose layers do not mix samples).
+        per_sample: per-sample gradient engine: ``ghost`` (norms without materialising
+            per-sample gradients; Linear/Conv2d models), ``vmap`` (``torch.func``, any model) or
+            ``auto`` (ghost when supported).
+    """
+
+    def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto") -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = net
+        self.engine = make_engine(net, per_sample, self.per_sample_loss)
+        # The local optimizer is a plain torch optimizer, not one returned by configure_optimizers:
+        # the trainer's optimizer is the server's, whose steps count rounds (global_step).
+        self.local_optimizer = self.configure_local_optimizer()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Model output for a batch."""
+        return self.net(x)
+
+    def per_sample_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """Per-sample loss ``F_i(w, ξ_j)``, shape (B,). Cross-entropy by default."""
+        return F.cross_entropy(output, target, reduction="none")
+
+    def configure_local_optimizer(self) -> torch.optim.Optimizer:
+        """The local optimizer; its learning rate is set from each :class:`LocalBatch`."""
+        return torch.optim.SGD(self.net.parameters(), lr=1.0)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters that the local step updates (and that are exchanged with the server)."""
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def get_flat_params(self) -> Tensor:
+        """The local model as one detached vector."""
+        return parameters_to_vector(self.trainable_parameters()).detach().clone()
+
+    def set_flat_params(self, flat: Tensor) -> None:
+        """Load a flat parameter vector (e.g. the broadcast global model ``w_t``)."""
+        # copy_ rather than torch's vector_to_parameters, which makes the parameters *views* of
+        # ``flat`` so that local steps would write into the caller's vector
+        offset = 0
+        with torch.no_grad():
+            for param in self.trainable_parameters():
+                n = param.numel()
+                param.copy_(flat[offset:offset + n].view_as(param))
+                offset += n
+
+    def training_step(self, batch: LocalBatch, batch_idx: int = 0) -> StepOutput:  # type: ignore[override]
+        """One local step: private (clip, noise, normalise; Eq. 12-13) or plain SGD."""
+        if batch.clip_rule is None:
+            return self._plain_step(batch)
+        return self._private_step(batch)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.local_optimizer.param_groups:
+            group["lr"] = lr
+
+    def _plain_step(self, batch: LocalBatch) -> StepOutput:
+        """``w ← w − η · s(ℓ_b) · ∇ℓ_b`` with ``ℓ_b`` the batch-mean loss (FedFair Eq. 9 when scaled)."""
+        self.local_optimizer.zero_grad(set_to_none=True)
+        loss = self.per_sample_loss(self.net(batch.x), batch.y).mean()
+        scaled = loss if batch.loss_scale is None else loss * batch.loss_scale(loss.detach())
+        if self._trainer is not None:
+            self.manual_backward(scaled)  # precision plugins (AMP scaling) apply
+        else:
+            scaled.backward()
+        self._set_lr(batch.lr)
+        self.local_optimizer.step()
+        return StepOutput(loss=float(loss.detach()), batch_size=int(batch.y.shape[0]))
+
+    def _private_step(self, batch: LocalBatch) -> StepOutput:
+        """DP-SGD with a per-sample clip rule (FedFDP Alg. 2 lines 6-12).
+
+        ``G = Σ_j s_j g_j + N(0, (σC)² I)``, ``w ← w − η G / n`` where ``s_j`` comes from the clip
+        rule (flat or fair), ``σC = noise_std`` and ``n = denominator`` (expected batch size by
+        default). Noise is added even for an empty batch.
+        """
+        assert batch.clip_rule is not None and batch.generator is not None
+        result = self.engine.compute(batch.x, batch.y)
+        factors = batch.clip_rule(result.losses, result.norms)
+        noisy = add_gaussian_noise(result.weighted_sum(factors), batch.noise_std, batch.generator)
+        for param, grad in zip(self.trainable_parameters(), noisy):
+            param.grad = grad / batch.denominator
+        self._set_lr(batch.lr)
+        self.local_optimizer.step()
+        n = int(batch.y.shape[0])
+        clipped = float((result.norms * factors.abs() < result.norms - 1e-12).float().mean()) if n else 0.0
+        negative = float(getattr(batch.clip_rule, "last_negative_fraction", 0.0))
+        loss = float(result.losses.mean()) if n else 0.0
+        return StepOutput(loss=loss, batch_size=n, negative_fraction=negative, clipped_fraction=clipped)

@@ -1,0 +1,278 @@
+"""The federation: a LightningModule whose training step is one communication round.
+
+``Trainer.fit`` drives the whole run. The server's model ``w_t`` is this module's
+``global_model``; the aggregated client update is a pseudo-gradient ``w_t − aggregate`` for the
+server optimizer returned by :meth:`Federation.configure_optimizers` (SGD with lr 1 is exactly
+FedAvg's ``w_{t+1} = Σ p_i w_{t+1}^i``; FedAdam/FedYogi are a config change). With manual
+optimization Lightning counts ``global_step`` only when that optimizer steps, so
+``global_step`` is the round counter, ``max_steps`` the number of rounds, and
+``trainer.fit(ckpt_path=...)`` resumes at the right round. Progress bar, loggers, checkpoints
+and callbacks are Lightning's own.
+
+The loop knows no algorithm and no DP formula: it calls the algorithm's hooks and the
+federation callbacks' hooks in a fixed phase order (see :mod:`callbacks.base`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader, Dataset
+
+from callbacks.base import FederationCallback
+from fedfdp.algorithms.base import Algorithm
+from fedfdp.client import ClientModule
+from fedfdp.errors import ConfigError, require
+from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.seeding import numpy_generator, torch_generator
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
+
+if TYPE_CHECKING:
+    from datamodules.federated import FederatedDataModule
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_BAR_KEYS = ("accuracy", "epsilon")
+
+
+def _server_sgd(params: Any) -> torch.optim.Optimizer:
+    """FedAvg's server step: SGD with learning rate 1 on the pseudo-gradient."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+class _Rounds(Dataset):
+    """The training "data" of the federation: one item per round (its index)."""
+
+    def __init__(self, num_rounds: int) -> None:
+        self.num_rounds = num_rounds
+
+    def __len__(self) -> int:
+        return self.num_rounds
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class Federation(LightningModule):
+    """Federated training of ``client``'s model with ``algorithm``.
+
+    Args:
+        client: the client module (its ``net`` is the model architecture; its initial weights
+            are ``w_0``).
+        algorithm: the federated algorithm (``class_path`` in configs).
+        num_rounds: number of rounds; ``null`` runs until a callback's limit (the privacy budget).
+        clients_per_round: clients sampled uniformly per round (``null``: all, as in the paper).
+        eval_every: evaluate the global model every this many rounds (and always at the end).
+        eval_train_splits: also evaluate on every client's training split (Ψ_train_global).
+        eval_batch_size: batch size of evaluation passes.
+        server_optimizer: optimizer of the global model on the pseudo-gradient (SGD lr 1 = FedAvg).
+        seed: seed of every random stream of the run (client sampling, Poisson batches, noise).
+    """
+
+    def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
+                 clients_per_round: int | None = None, eval_every: int = 10, eval_train_splits: bool = True,
+                 eval_batch_size: int = 4096, server_optimizer: OptimizerCallable = _server_sgd,
+                 seed: int = 0) -> None:
+        super().__init__()
+        require(num_rounds is None or num_rounds >= 1, f"model.num_rounds must be >= 1 or null, got {num_rounds}")
+        require(clients_per_round is None or clients_per_round >= 1,
+                f"model.clients_per_round must be >= 1 or null, got {clients_per_round}")
+        require(eval_every >= 1, f"model.eval_every must be >= 1, got {eval_every}")
+        require(eval_batch_size >= 1, f"model.eval_batch_size must be >= 1, got {eval_batch_size}")
+        if not isinstance(algorithm, Algorithm):
+            raise ConfigError(f"model.algorithm must be an fedfdp.algorithms.Algorithm, got {type(algorithm).__name__}")
+        self.automatic_optimization = False
+        self.client = client
+        self.global_model = copy.deepcopy(client.net)
+        self.algorithm = algorithm
+        self.num_rounds = num_rounds
+        self.clients_per_round = clients_per_round
+        self.eval_every = eval_every
+        self.eval_train_splits = eval_train_splits
+        self.eval_batch_size = eval_batch_size
+        self.server_optimizer = server_optimizer
+        self.seed = seed
+        self.total_rounds = num_rounds or 0
+        self.current_round = 0
+        self.last_evaluation: EvaluationResult | None = None
+        self._round_seconds: list[float] = []
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The global model's output."""
+        return self.global_model(x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The server optimizer over ``w_t``."""
+        return self.server_optimizer(self.global_model.parameters())
+
+    def setup(self, stage: str) -> None:
+        """Bind the data, check required callbacks, let the algorithm validate, fix the round count."""
+        from datamodules.federated import FederatedDataModule  # runtime import: datamodules imports fedfdp
+
+        datamodule = self.trainer.datamodule
+        if not isinstance(datamodule, FederatedDataModule):
+            raise ConfigError(f"data must be a datamodules.FederatedDataModule, got {type(datamodule).__name__}")
+        self.datamodule: FederatedDataModule = datamodule
+        require(self.clients_per_round is None or self.clients_per_round <= datamodule.num_clients,
+                f"model.clients_per_round must be <= data.num_clients={datamodule.num_clients}, "
+                f"got {self.clients_per_round}")
+        callbacks = self.federation_callbacks()
+        for required in self.algorithm.required_callbacks:
+            if not any(isinstance(cb, required) for cb in callbacks):
+                raise ConfigError(
+                    f"{type(self.algorithm).__name__} needs a callbacks.{required.__name__} in trainer.callbacks "
+                    f"(it privatises/accounts or provides what the algorithm releases)")
+        self.algorithm.setup(self)
+        limits = [lim for cb in callbacks if (lim := cb.max_rounds(self.trainer, self)) is not None]
+        if self.num_rounds is not None:
+            limits.append(self.num_rounds)
+        if not limits:
+            raise ConfigError("model.num_rounds must be set (>= 1) when no callback limits the rounds "
+                              "(e.g. callbacks.RDPAccounting with a target_epsilon)")
+        self.total_rounds = min(limits)
+        if self.num_rounds is not None and self.total_rounds < self.num_rounds:
+            logger.info("privacy budget allows %d of the %d requested rounds", self.total_rounds, self.num_rounds)
+        self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds
+        logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
+                    type(self.algorithm).__name__)
+
+    def train_dataloader(self) -> DataLoader:
+        """One item per round; the round index itself is ``global_step``."""
+        return DataLoader(_Rounds(self.total_rounds), batch_size=None, shuffle=False)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the algorithm's server state and the last evaluation."""
+        checkpoint["fedfdp"] = {"algorithm": self.algorithm.state_dict(), "total_rounds": self.total_rounds}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the algorithm's server state."""
+        self.algorithm.load_state_dict(checkpoint["fedfdp"]["algorithm"])
+
+    # ---- federation ----------------------------------------------------------------------------
+    @property
+    def num_clients(self) -> int:
+        """N, the number of clients of the datamodule."""
+        return self.datamodule.num_clients
+
+    def federation_callbacks(self) -> list[FederationCallback]:
+        """The trainer's callbacks that have federation hooks."""
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, FederationCallback)]
+
+    def planned_dp_events(self, client_id: int) -> list[tuple[str, DPEvent]]:
+        """Every DP event one round of ``client_id`` will charge (algorithm and callbacks)."""
+        size = int(self.datamodule.train_sizes[client_id])
+        events = list(self.algorithm.planned_dp_events(client_id, size))
+        for cb in self.federation_callbacks():
+            events.extend(cb.planned_dp_events(self, client_id))
+        return events
+
+    def sample_clients(self, round_idx: int) -> list[int]:
+        """Uniform sampling without replacement (all clients when ``clients_per_round`` is null)."""
+        if self.clients_per_round is None or self.clients_per_round >= self.num_clients:
+            return list(range(self.num_clients))
+        rng = numpy_generator(self.seed, "clients", round_idx)
+        return sorted(int(c) for c in rng.choice(self.num_clients, self.clients_per_round, replace=False))
+
+    def client_data(self, client_id: int) -> ClientData:
+        """Client ``client_id``'s training split on this module's device."""
+        x, y = self.datamodule.client_train(client_id)
+        return ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device))
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.federation_callbacks():
+            getattr(cb, hook)(self.trainer, self, *args)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """One round: broadcast, local updates, privatised uploads, aggregation, evaluation."""
+        start = time.perf_counter()
+        round_idx = self.current_round = int(self.global_step)
+        context = self.algorithm.configure_round(round_idx)
+        client_ids = self.sample_clients(round_idx)
+        self._call("on_round_start", context, client_ids)
+
+        global_params = parameters_to_vector(self.global_model.parameters()).detach()
+        updates: list[ClientUpdate] = []
+        for cid in client_ids:
+            self.client.set_flat_params(global_params)
+            data = self.client_data(cid)
+            generator = torch_generator(self.seed, "client", round_idx, cid, device=self.device)
+            update = self.algorithm.local_update(self.client, data, context, generator)
+            self._call("on_client_update", self.client, data, update)
+            if not torch.isfinite(update.params).all() or (
+                    update.reported_loss is not None and not math.isfinite(update.reported_loss)):
+                raise FloatingPointError(f"round {round_idx}: client {cid} produced a non-finite model or loss; "
+                                         f"the last checkpoint and summary are kept")
+            updates.append(update)
+        self._call("on_before_aggregate", updates)
+
+        target = self.algorithm.aggregate(global_params, updates, context)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        pseudo_grad = global_params - target
+        offset = 0
+        for param in self.global_model.parameters():
+            n = param.numel()
+            param.grad = pseudo_grad[offset:offset + n].view_as(param).clone()
+            offset += n
+        optimizer.step()  # increments global_step: one round done
+
+        metrics: dict[str, Any] = dict(self.algorithm.on_round_end(updates, context))
+        metrics.update(_mean_diagnostics(updates))
+        self._call("on_round_end", context, updates, metrics)
+        self._round_seconds.append(time.perf_counter() - start)
+        metrics["round_seconds"] = self._round_seconds[-1]
+        rounds_done = round_idx + 1
+        if rounds_done % self.eval_every == 0 or rounds_done >= self.total_rounds:
+            metrics.update(self.evaluate(rounds_done))
+        shown = {k: float(v) for k, v in metrics.items() if k in _PROGRESS_BAR_KEYS}
+        self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False)
+        self.log_dict({k: float(v) for k, v in metrics.items() if k not in shown}, on_step=True, on_epoch=False)
+
+    def evaluate(self, rounds_done: int) -> dict[str, float]:
+        """Global model on every client's test (and train) split; fires ``on_evaluate``."""
+        dm = self.datamodule
+        weights = torch.as_tensor(np.asarray(dm.train_sizes), dtype=torch.float64)
+        x, y, cid = (t.to(self.device) for t in dm.pooled_test())
+        test = evaluate_clientwise(self.global_model, self.client.per_sample_loss, x, y, cid,
+                                   self.num_clients, self.eval_batch_size)
+        acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
+        scalars = {"accuracy": float(test["pooled_accuracy"]), **fairness_summary(acc, loss, weights)}
+        scalars["psi_paper"] = scalars["psi"]
+        if self.eval_train_splits:
+            x, y, cid = (t.to(self.device) for t in dm.pooled_train())
+            train = evaluate_clientwise(self.global_model, self.client.per_sample_loss, x, y, cid,
+                                        self.num_clients, self.eval_batch_size)
+            scalars["train_accuracy"] = float(train["pooled_accuracy"])
+            scalars["psi_train_global"] = fairness_summary(train["accuracy"].cpu(), train["loss"].cpu(),
+                                                           weights)["psi"]
+        result = EvaluationResult(round=rounds_done, client_accuracy=acc, client_loss=loss,
+                                  weights=weights, scalars=scalars)
+        self.last_evaluation = result
+        extra: dict[str, Any] = {}
+        self._call("on_evaluate", result, extra)
+        logger.info("round %d: accuracy %.4f psi %.4g worst-client %.4f", rounds_done, scalars["accuracy"],
+                    scalars["psi"], scalars["accuracy_worst"])
+        return {**scalars, **extra}
+
+    @property
+    def round_seconds(self) -> list[float]:
+        """Wall time of each round run in this process."""
+        return list(self._round_seconds)
+
+
+def _mean_diagnostics(updates: list[ClientUpdate]) -> dict[str, float]:
+    """Mean over clients of each simulation diagnostic (e.g. ``negative_fraction``)."""
+    keys = {k for u in updates for k in u.diagnostics}
+    return {f"client_{k}": sum(u.diagnostics[k] for u in updates if k in u.diagnostics)
+            / sum(1 for u in updates if k in u.diagnostics) for k in sorted(keys)}

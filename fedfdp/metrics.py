@@ -1,0 +1,121 @@
+"""Evaluation of the global model on every client, and the fairness measures of the paper.
+
+One pass over the pooled test data (all client test splits concatenated, each sample tagged with
+its client) fills :class:`ClientwiseMetrics`, a torchmetrics ``Metric`` whose sum states reduce
+across processes; per-client accuracy and loss come out by ``scatter_add`` instead of one pass
+per client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+def weighted_variance(values: Sequence[float] | Tensor, weights: Sequence[float] | Tensor,
+                      mean: float | None = None) -> float:
+    """Ψ (J Eq. 2): ``Σ_i p_i (F_i − F)²`` with ``p_i ∝ weights_i`` and ``F = Σ_i p_i F_i``.
+
+    >>> weighted_variance([1.0, 3.0], [1, 1])
+    1.0
+    """
+    v = torch.as_tensor(values, dtype=torch.float64)
+    p = torch.as_tensor(weights, dtype=torch.float64)
+    p = p / p.sum()
+    m = float((p * v).sum()) if mean is None else mean
+    return float((p * (v - m) ** 2).sum())
+
+
+def jain_index(values: Sequence[float] | Tensor) -> float:
+    """Jain's fairness index ``(Σx)² / (n Σx²)`` in ``[1/n, 1]`` (1 = all equal).
+
+    >>> jain_index([0.5, 0.5])
+    1.0
+    """
+    x = torch.as_tensor(values, dtype=torch.float64)
+    denom = float(x.numel() * (x**2).sum())
+    return float(x.sum() ** 2 / denom) if denom > 0 else 1.0
+
+
+class ClientwiseMetrics(Metric):
+    """Per-client correct count, sample count and loss sum of a classifier.
+
+    Args:
+        num_clients: number of clients N.
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_clients: int) -> None:
+        super().__init__()
+        self.num_clients = num_clients
+        self.add_state("correct", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("loss_sum", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: Tensor, target: Tensor, losses: Tensor, client_id: Tensor) -> None:  # type: ignore[override]
+        """Accumulate a batch: ``losses`` are per-sample, ``client_id`` tags each sample."""
+        correct = (logits.argmax(-1) == target).double()
+        self.correct.scatter_add_(0, client_id, correct)
+        self.count.scatter_add_(0, client_id, torch.ones_like(correct))
+        self.loss_sum.scatter_add_(0, client_id, losses.double())
+
+    def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
+        """Per-client accuracy and mean loss, and the pooled accuracy."""
+        count = self.count.clamp(min=1)
+        return {"accuracy": self.correct / count, "loss": self.loss_sum / count,
+                "pooled_accuracy": self.correct.sum() / self.count.sum().clamp(min=1), "count": self.count}
+
+
+@dataclass
+class EvaluationResult:
+    """Global-model evaluation at one round.
+
+    Attributes:
+        round: rounds completed when evaluated.
+        client_accuracy: per-client test accuracy, shape (N,).
+        client_loss: per-client mean test loss, shape (N,).
+        weights: aggregation weights p_i (train sizes), shape (N,).
+        scalars: the logged summary numbers (pooled accuracy, Ψ variants, dispersion).
+    """
+
+    round: int
+    client_accuracy: Tensor
+    client_loss: Tensor
+    weights: Tensor
+    scalars: dict[str, float]
+
+
+def fairness_summary(accuracy: Tensor, loss: Tensor, weights: Tensor, prefix: str = "") -> dict[str, float]:
+    """Ψ of the per-client losses (Eq. 2) and accuracy dispersion (variance, worst, Jain)."""
+    acc = accuracy.double()
+    worst_k = max(1, int(round(0.1 * acc.numel())))
+    return {
+        f"{prefix}psi": weighted_variance(loss, weights),
+        f"{prefix}mean_loss": float((weights / weights.sum() * loss).sum()),
+        f"{prefix}accuracy_mean": float(acc.mean()),
+        f"{prefix}accuracy_variance": float(acc.var(unbiased=False)),
+        f"{prefix}accuracy_std": float(acc.std(unbiased=False)),
+        f"{prefix}accuracy_worst": float(acc.min()),
+        f"{prefix}accuracy_worst10": float(acc.sort().values[:worst_k].mean()),
+        f"{prefix}accuracy_jain": jain_index(acc),
+    }
+
+
+@torch.no_grad()
+def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,
+                        num_clients: int, batch_size: int = 4096) -> dict[str, Tensor]:
+    """One pass of ``model`` over pooled data tagged by client; per-client accuracy and loss."""
+    metric = ClientwiseMetrics(num_clients).to(x.device)
+    was_training = model.training
+    model.eval()
+    for start in range(0, y.shape[0], batch_size):
+        sl = slice(start, start + batch_size)
+        logits = model(x[sl])
+        metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
+    model.train(was_training)
+    return metric.compute()

@@ -1,0 +1,300 @@
+"""Rényi-DP accounting for FedFDP (spec §3; paper Sec. VII J, Theorems 2–4).
+
+Every privatised release is a Poisson-subsampled Gaussian mechanism (SGM) with sampling rate
+``q`` and noise multiplier ``σ``. Its RDP, the composition (a sum of RDP curves) and the RDP →
+(ε, δ) conversion all come from Opacus (:mod:`opacus.accountants.analysis.rdp`); nothing here
+re-derives them. For integer orders α ≥ 2 (spec §3.3–3.4; paper J numbering)::
+
+    A_α(q, σ) = Σ_{k=0}^{α} C(α, k) (1 − q)^{α−k} q^k exp((k² − k) / (2σ²))         (Eq. 27)
+    R(α)      = Σ_events steps · log A_α(q, σ) / (α − 1)   (Eqs. 24, 28; the paper drops the log)
+    ε         = min_α R(α) + log((α − 1)/α) − (log δ + log α)/(α − 1)   (Eq. 23, Lemma 1)
+
+R_model (Theorem 3, Eq. 24, σ) and R_loss (Theorem 4, Eq. 28, σ_l) add up (Theorem 2); the
+conversion is Balle et al. (AISTATS 2020), Opacus' ``get_privacy_spent``.
+
+The reference table of spec §3.6 is reproduced in ``tests/privacy/test_accounting.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import numpy as np
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+from fedfdp.errors import ConfigError
+
+__all__ = ["OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "DPEvent", "PrivacyLedger", "epsilon_of",
+           "max_rounds", "rdp_of"]
+
+#: RDP orders of the authors' code (``list(range(2, 64)) + [128, 256, 512]``, spec §3.4).
+PAPER_ORDERS: tuple[float, ...] = tuple(float(a) for a in (*range(2, 64), 128, 256, 512))
+#: Opacus' default orders (``RDPAccountant.DEFAULT_ALPHAS``: 1.1, 1.2, …, 10.9, 12, …, 63).
+OPACUS_DEFAULT_ORDERS: tuple[float, ...] = tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
+
+#: Start of the authors' bisection bracket over steps, and its ε tolerance (``get_max_steps``).
+_CODE_STEPS_HIGH = 100_000
+_CODE_EPS_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPEvent:
+    """``steps`` repetitions of one SGM with noise multiplier σ and Poisson rate q.
+
+    A DP-SGD step is ``DPEvent(noise_multiplier=σ, sample_rate=q)``; an unsampled Gaussian
+    release (e.g. a noisy loss over the whole local set) has ``sample_rate=1.0``.
+
+    Raises:
+        ConfigError: σ not finite and > 0, q not in (0, 1], or steps not an integer ≥ 0.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        s, q, n = self.noise_multiplier, self.sample_rate, self.steps
+        if not _is_real(s) or not (math.isfinite(s) and s > 0):
+            raise ConfigError(f"DPEvent.noise_multiplier must be a finite number > 0, got {s!r}")
+        if not _is_real(q) or not 0 < q <= 1:
+            raise ConfigError(f"DPEvent.sample_rate must be in (0, 1], got {q!r}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"DPEvent.steps must be an integer >= 0, got {n!r}")
+
+    def repeated(self, times: int) -> DPEvent:
+        """The same mechanism run ``times`` as often (``steps · times``)."""
+        return DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+                       steps=self.steps * times)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_orders(orders: Sequence[float]) -> tuple[float, ...]:
+    try:
+        out = tuple(float(a) for a in orders)
+    except (TypeError, ValueError):
+        out = ()
+    if not out or not all(math.isfinite(a) and a > 1 for a in out):
+        raise ConfigError(f"orders must be a non-empty list of finite numbers > 1, got {orders!r}")
+    return out
+
+
+def _check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ConfigError(f"delta must be in (0, 1), got {delta!r}")
+
+
+@lru_cache(maxsize=1024)
+def _unit_rdp(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...]) -> np.ndarray:
+    rdp = np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                 orders=list(orders)), dtype=np.float64)
+    rdp.setflags(write=False)
+    return rdp
+
+
+def rdp_of(events: Iterable[DPEvent], orders: Sequence[float] = PAPER_ORDERS) -> np.ndarray:
+    """RDP curve of the composition of ``events``: R(α) = Σ steps · R_SGM(α; q, σ) (Eqs. 24, 28).
+
+    Per-event curves are Opacus' ``compute_rdp`` (cached per (q, σ, orders)); composition is
+    their sum, which is linear in ``steps``.
+
+    >>> step = DPEvent(noise_multiplier=2.0, sample_rate=0.05)
+    >>> round(float(rdp_of([step], [2.0])[0]), 7)
+    0.0007098
+    """
+    orders_t = _check_orders(orders)
+    total = np.zeros(len(orders_t))
+    for e in events:
+        unit = _unit_rdp(float(e.sample_rate), float(e.noise_multiplier), orders_t)
+        total = total + unit * e.steps
+    return total
+
+
+def _epsilon_from_rdp(rdp: np.ndarray, orders: tuple[float, ...], delta: float) -> float:
+    if not np.any(rdp > 0):  # nothing released: (0, 0)-DP, as the authors' compute_eps returns
+        return 0.0
+    eps, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
+    return float(eps)
+
+
+def epsilon_of(events: Iterable[DPEvent], delta: float,
+               orders: Sequence[float] = PAPER_ORDERS) -> float:
+    """ε of the composition of ``events`` at ``delta`` (spec §3.4; Theorem 2, Eq. 23 J).
+
+    ε = min_α [R(α) + log((α−1)/α) − (log δ + log α)/(α−1)] with R = :func:`rdp_of`; the
+    conversion is Opacus' ``get_privacy_spent`` (Balle et al., AISTATS 2020, Thm 21). No event
+    (or only zero-step events) gives 0.0.
+
+    >>> round(epsilon_of([DPEvent(noise_multiplier=2.0, sample_rate=0.05, steps=778)], 1e-5), 3)
+    3.523
+    """
+    _check_delta(delta)
+    orders_t = _check_orders(orders)
+    return _epsilon_from_rdp(rdp_of(events, orders_t), orders_t, delta)
+
+
+class PrivacyLedger:
+    """Per-client privacy ledger (style §4.4) over an Opacus :class:`RDPAccountant`.
+
+    Each recorded mechanism goes through ``RDPAccountant.step`` (its ``history`` is the state);
+    ε is computed with this ledger's ``orders`` (default :data:`PAPER_ORDERS`).
+
+    Args:
+        orders: RDP orders used for every ε this ledger reports.
+
+    Attributes:
+        accountant: the wrapped ``RDPAccountant``; its ``get_optimizer_hook_fn`` may be attached
+            to a ``DPOptimizer`` directly, the steps then land in the same history.
+    """
+
+    def __init__(self, *, orders: Sequence[float] = PAPER_ORDERS) -> None:
+        self.orders: tuple[float, ...] = _check_orders(orders)
+        self.accountant = RDPAccountant()
+
+    def record(self, event: DPEvent) -> None:
+        """Charge ``event`` (``event.steps`` accountant steps)."""
+        if not isinstance(event, DPEvent):
+            raise ConfigError(f"PrivacyLedger.record expects a DPEvent, got {type(event).__name__}")
+        for _ in range(event.steps):
+            self.accountant.step(noise_multiplier=event.noise_multiplier,
+                                 sample_rate=event.sample_rate)
+
+    def record_dpsgd_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """Charge one DP-SGD step with Poisson rate ``sample_rate``."""
+        self.record(DPEvent(noise_multiplier=noise_multiplier, sample_rate=sample_rate))
+
+    def record_gaussian_release(self, *, noise_multiplier: float, sample_rate: float = 1.0) -> None:
+        """Charge one noisy scalar release (q = 1 unless computed on a Poisson sample)."""
+        self.record(DPEvent(noise_multiplier=noise_multiplier, sample_rate=sample_rate))
+
+    @property
+    def events(self) -> tuple[DPEvent, ...]:
+        """The accountant's history as events (consecutive equal mechanisms merged)."""
+        return tuple(DPEvent(noise_multiplier=s, sample_rate=q, steps=n)
+                     for s, q, n in self.accountant.history)
+
+    @property
+    def num_events(self) -> int:
+        """Number of mechanism applications recorded so far (the sum of ``steps``)."""
+        return sum(int(n) for _, _, n in self.accountant.history)
+
+    def _rdp(self) -> np.ndarray:
+        merged: dict[tuple[float, float], int] = {}
+        for s, q, n in self.accountant.history:  # alternating model/loss events do not merge
+            merged[(s, q)] = merged.get((s, q), 0) + int(n)
+        return rdp_of((DPEvent(noise_multiplier=s, sample_rate=q, steps=n)
+                       for (s, q), n in merged.items()), self.orders)
+
+    def epsilon(self, delta: float) -> float:
+        """ε spent so far at ``delta`` (equals ``epsilon_of(self.events, delta, self.orders)``)."""
+        _check_delta(delta)
+        return _epsilon_from_rdp(self._rdp(), self.orders, delta)
+
+    def projected_epsilon(self, events: Iterable[DPEvent], delta: float) -> float:
+        """ε if ``events`` were spent on top of the record, without recording them."""
+        _check_delta(delta)
+        return _epsilon_from_rdp(self._rdp() + rdp_of(events, self.orders), self.orders, delta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-python state: ``{"orders": [float], "history": [[σ, q, steps], ...]}``."""
+        return {"orders": list(self.orders),
+                "history": [[float(s), float(q), int(n)] for s, q, n in self.accountant.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (orders included); validates every entry."""
+        if set(state_dict) != {"orders", "history"}:
+            raise ConfigError("PrivacyLedger state must have exactly the keys orders, history; "
+                              f"got {sorted(state_dict)}")
+        orders = _check_orders(state_dict["orders"])
+        history = state_dict["history"]
+        if not all(isinstance(h, (list, tuple)) and len(h) == 3 for h in history):
+            raise ConfigError(f"PrivacyLedger history must be [[sigma, q, steps], ...], "
+                              f"got {history!r}")
+        events = [DPEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in history]
+        self.orders = orders
+        self.accountant.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
+
+
+def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: float,
+               orders: Sequence[float] = PAPER_ORDERS,
+               rule: Literal["strict", "paper_code"] = "strict") -> int:
+    """Rounds T affordable at ``(target_epsilon, delta)`` when every round spends ``per_round``.
+
+    ε(T) = conversion(T · R_round) is strictly increasing in T (RDP is linear in T, Theorem 2).
+
+    * ``"strict"``: the largest integer T ≥ 0 with ε(T) ≤ target (exponential + integer
+      bisection; exactly consistent with :func:`epsilon_of` of the T-fold events).
+    * ``"paper_code"``: the authors' ``get_max_steps`` (one1Mouth/FedFDP,
+      ``system/flcore/optimizers/utils/RDP/get_max_steps.py``, called from
+      ``Server._reset_global_rounds_by_epsilon``): a bisection over *real-valued* T on
+      [0, 100000] keeping the upper end while ε(hi) − target > 0.01 (mid = (lo+hi)/2;
+      ε(mid) > target → hi = mid, else lo = mid), then ``max(1, int(hi))``. It can overshoot
+      the target by up to 0.01 (3.52 → 778 rounds at ε = 3.523; strict gives 776). Their code
+      raised if ε(100000) < target; here the bracket is doubled instead. The code used the
+      model step only (``per_round=[model_step]``) and then runs ``range(T + 1)`` rounds; it
+      bisected over DP-SGD steps and divided by ``local_iterations``, which is the same as
+      bisecting over rounds here when a round is one step.
+
+    Raises:
+        ConfigError: bad target/delta/rule, or a round that spends nothing.
+    """
+    if rule not in ("strict", "paper_code"):
+        raise ConfigError(f"max_rounds rule must be one of strict, paper_code; got {rule!r}")
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ConfigError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    _check_delta(delta)
+    orders_t = _check_orders(orders)
+    per_round = list(per_round)
+    if not all(isinstance(e, DPEvent) for e in per_round):
+        raise ConfigError(f"max_rounds per_round must be a list of DPEvent, got {per_round!r}")
+    if not any(e.steps for e in per_round):
+        raise ConfigError("max_rounds per_round must contain at least one event with steps >= 1")
+    unit = rdp_of(per_round, orders_t)
+
+    def eps(t: float) -> float:  # strict: the same arithmetic as epsilon_of(repeated events)
+        if rule == "strict":
+            rdp = rdp_of((e.repeated(int(t)) for e in per_round), orders_t)
+        else:
+            rdp = unit * t
+        with warnings.catch_warnings():  # "optimal order is the largest alpha" while searching
+            warnings.simplefilter("ignore")
+            return _epsilon_from_rdp(rdp, orders_t, delta)
+
+    if rule == "paper_code":
+        lo, hi = 0.0, float(_CODE_STEPS_HIGH)
+        eps_hi = eps(hi)
+        while eps_hi < target_epsilon:
+            if hi > 2**53:
+                raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
+            lo, hi = hi, 2 * hi
+            eps_hi = eps(hi)
+        while eps_hi - target_epsilon > _CODE_EPS_TOLERANCE:
+            mid = (lo + hi) / 2
+            e = eps(mid)
+            if e > target_epsilon:
+                hi, eps_hi = mid, e
+            else:
+                lo = mid
+        return max(1, int(hi))
+
+    lo_i, hi_i = 0, 1  # invariant: eps(lo_i) <= target < eps(hi_i)
+    while eps(hi_i) <= target_epsilon:
+        if hi_i > 2**53:
+            raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
+        lo_i, hi_i = hi_i, 2 * hi_i
+    while hi_i - lo_i > 1:
+        mid_i = (lo_i + hi_i) // 2
+        if eps(mid_i) <= target_epsilon:
+            lo_i = mid_i
+        else:
+            hi_i = mid_i
+    return lo_i

@@ -1,0 +1,99 @@
+"""Value objects passed between the federation loop, algorithms, clients and callbacks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.clipping import ClipRule
+
+MODEL_RELEASE = "model"
+"""Kind of a DP event that privatises a model update (counted in every accounting mode)."""
+LOSS_RELEASE = "loss"
+"""Kind of a DP event that privatises a reported loss (FedFDP Theorem 2's second mechanism)."""
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What the server broadcasts to every client of a round besides the global model.
+
+    Attributes:
+        round: 0-based round index ``t``.
+        broadcast: public scalars, e.g. ``{"loss": F̄_t}`` for FedFair / FedFDP.
+    """
+
+    round: int
+    broadcast: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's private training split (on the model's device)."""
+
+    client_id: int
+    x: Tensor
+    y: Tensor
+
+    @property
+    def size(self) -> int:
+        """``|D_i|``, treated as public (as in the paper's weights ``p_i``)."""
+        return int(self.y.shape[0])
+
+
+@dataclass
+class LocalBatch:
+    """One local step's input for :meth:`fedfdp.client.ClientModule.training_step`.
+
+    ``clip_rule=None`` means a non-private step on the mean loss, optionally multiplied by
+    ``loss_scale(mean_loss)`` (FedFair's dynamic learning rate, Eq. 9). Otherwise the step is
+    private: per-sample factors from ``clip_rule``, Gaussian noise of std ``noise_std`` on the sum,
+    division by ``denominator``.
+    """
+
+    x: Tensor
+    y: Tensor
+    lr: float
+    clip_rule: ClipRule | None = None
+    noise_std: float = 0.0
+    denominator: float = 1.0
+    generator: torch.Generator | None = None
+    loss_scale: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one local step reports back (simulation diagnostics; never sent to the server)."""
+
+    loss: float
+    batch_size: int
+    negative_fraction: float = 0.0
+    clipped_fraction: float = 0.0
+
+
+@dataclass
+class ClientUpdate:
+    """What a client uploads after its local update, plus the ledger entries of its releases.
+
+    Attributes:
+        client_id: the client ``i``.
+        params: the flat local model ``w_{t+1}^i`` (already private when the step was).
+        num_examples: ``|D_i|``, for the aggregation weights ``p_i``.
+        dp_events: ``(kind, event)`` for every differentially private release in this update;
+            the accounting callback charges them to client ``i``'s ledger.
+        reported_loss: the loss value uploaded by the client (set by a loss-reporting callback;
+            noisy under DP).
+        diagnostics: simulation-only statistics for logging (never read by an algorithm).
+        extras: algorithm-owned payload (e.g. control variates), namespaced by the algorithm.
+    """
+
+    client_id: int
+    params: Tensor
+    num_examples: int
+    dp_events: list[tuple[str, DPEvent]] = field(default_factory=list)
+    reported_loss: float | None = None
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, Tensor] = field(default_factory=dict)

@@ -1,0 +1,58 @@
+"""Small models, data and runners shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from datamodules import SyntheticDataModule
+from fedfdp import ClientModule, Federation
+
+
+class TinyConvNet(nn.Module):
+    """Conv (padding, stride) + Linear: exercises every ghost-engine branch."""
+
+    def __init__(self, num_classes: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, kernel_size=3, padding=1, stride=2)
+        self.conv2 = nn.Conv2d(3, 4, kernel_size=2, dilation=2, bias=False)
+        self.fc = nn.Linear(4 * 2 * 2, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.fc(x.flatten(1))
+
+
+def tiny_data(num_clients: int = 3, num_samples: int = 300, seed: int = 0, **kwargs: Any) -> SyntheticDataModule:
+    """A synthetic 8x8, 4-class federated datamodule."""
+    return SyntheticDataModule(num_samples=num_samples, image_shape=(1, 8, 8), num_classes=4,
+                               num_clients=num_clients, alpha=1.0, seed=seed, **kwargs)
+
+
+def tiny_client(net: nn.Module | None = None) -> ClientModule:
+    """A client on a small MLP (8x8 inputs, 4 classes)."""
+    from fedfdp.models import MLP
+
+    torch.manual_seed(0)
+    return ClientModule(net if net is not None else MLP(in_features=64, num_classes=4, hidden=16))
+
+
+def run_federation(algorithm: Any, callbacks: list[Any], *, rounds: int | None = 2, seed: int = 0,
+                   data: SyntheticDataModule | None = None, net: nn.Module | None = None,
+                   **fed_kwargs: Any) -> tuple[Federation, Trainer]:
+    """Fit a federation for ``rounds`` rounds on CPU without loggers or checkpoints."""
+    fed = Federation(tiny_client(net), algorithm, num_rounds=rounds, seed=seed, **fed_kwargs)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(fed, datamodule=data if data is not None else tiny_data())
+    return fed, trainer
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """All parameters of ``model`` as one vector."""
+    return torch.cat([p.detach().flatten() for p in model.parameters()])

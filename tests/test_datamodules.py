@@ -1,0 +1,418 @@
+"""Tests of datamodules/idx.py, federated.py, mnist.py and synthetic.py on tiny IDX files."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from datamodules import (
+    FashionMNISTDataModule,
+    FederatedDataModule,
+    MNISTDataModule,
+    SyntheticDataModule,
+    find_idx_files,
+    read_idx,
+)
+from datamodules.idx import FILE_NAMES, IDX_DATASETS
+from fedfdp.errors import ConfigError, DataError
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+N_TRAIN, N_TEST = 120, 40
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """Encode ``array`` as an IDX file (big-endian)."""
+    codes = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
+    code = codes[array.dtype.type]
+    header = bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes()
+    return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+
+
+def write_idx(path: Path, array: np.ndarray, gz: bool) -> Path:
+    """Write ``array`` to ``path`` (+ ``.gz`` when ``gz``) and return the written path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = idx_bytes(array)
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        path.write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def tiny_arrays(shape: tuple[int, int] = (28, 28), max_label: int = 9) -> dict[str, np.ndarray]:
+    """Small MNIST-like arrays: balanced labels 0..max_label, uint8 images."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for split, n in (("train", N_TRAIN), ("test", N_TEST)):
+        out[f"{split}_images"] = rng.integers(0, 256, size=(n, *shape), dtype=np.uint8)
+        out[f"{split}_labels"] = (np.arange(n) % (max_label + 1)).astype(np.uint8)
+    return out
+
+
+def write_dataset(folder: Path, gz: bool | tuple[bool, ...] = False, **kwargs: Any) -> dict[str, Path]:
+    """Write the four tiny IDX files into ``folder`` (``gz`` per file or for all)."""
+    arrays = tiny_arrays(**kwargs)
+    flags = gz if isinstance(gz, tuple) else (gz,) * 4
+    return {key: write_idx(folder / name, arrays[key], f) for (key, name), f in zip(FILE_NAMES.items(), flags)}
+
+
+def make_dm(data_dir: Path, **kwargs: Any) -> FashionMNISTDataModule:
+    """A FashionMNIST module on tiny files (md5 check off), 4 clients."""
+    args: dict = {"data_dir": str(data_dir), "num_clients": 4, "alpha": 1.0, "verify": False} | kwargs
+    return FashionMNISTDataModule(**args)
+
+
+# ---------------------------------------------------------------------------------- read_idx
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.int32, np.float32, np.float64])
+def test_read_idx_round_trip(tmp_path: Path, gz: bool, dtype: type) -> None:
+    """Every IDX dtype code round-trips, compressed or not, as a native-endian array."""
+    array = (np.arange(24).reshape(2, 3, 4) * 3).astype(dtype)
+    path = write_idx(tmp_path / "x-idx3", array, gz)
+    out = read_idx(path, ndim=3)
+    np.testing.assert_array_equal(out, array)
+    assert out.dtype == np.dtype(dtype) and out.dtype.isnative
+
+
+def test_read_idx_truncated(tmp_path: Path) -> None:
+    """A truncated file names itself and the expected byte count."""
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(idx_bytes(np.zeros((5, 28, 28), np.uint8))[:-10])
+    with pytest.raises(DataError, match=rf"^{path}: truncated IDX file: .* expected {16 + 5 * 784}"):
+        read_idx(path)
+
+
+def test_read_idx_truncated_gzip(tmp_path: Path) -> None:
+    """A cut-off gzip stream is a DataError naming the file."""
+    path = tmp_path / "labels.gz"
+    path.write_bytes(gzip.compress(idx_bytes(np.zeros(1000, np.uint8)))[:-30])
+    with pytest.raises(DataError, match=rf"^{path}: cannot read"):
+        read_idx(path)
+
+
+@pytest.mark.parametrize(
+    ("payload", "pattern"),
+    [
+        (b"\x12\x34\x08\x01" + b"\0" * 8, "bad IDX magic number 12340801"),
+        (b"", "bad IDX magic number empty"),
+        (b"\x00\x00\x07\x01\x00\x00\x00\x01\x00", "unknown IDX dtype code 0x07"),
+        (b"\x00\x00\x08\x03\x00\x00", "truncated IDX header"),
+        (b"\x00\x00\x08\x01\x00\x00\x00\x02\x01\x02\x03", "oversized IDX file"),
+    ],
+)
+def test_read_idx_bad_header(tmp_path: Path, payload: bytes, pattern: str) -> None:
+    """Wrong magic, unknown dtype, short header and extra bytes each raise DataError."""
+    path = tmp_path / "bad-idx"
+    path.write_bytes(payload)
+    with pytest.raises(DataError, match=rf"^{path}: {pattern}"):
+        read_idx(path)
+
+
+def test_read_idx_ndim_and_md5(tmp_path: Path) -> None:
+    """Wrong ndim and wrong md5 are reported with the expectation."""
+    path = write_idx(tmp_path / "labels", np.arange(10, dtype=np.uint8), gz=True)
+    with pytest.raises(DataError, match=r"has shape \(10,\) \(ndim=1\), expected ndim=3$"):
+        read_idx(path, ndim=3)
+    with pytest.raises(DataError, match=rf"^{path}: md5 .* expected 0{{32}}"):
+        read_idx(path, expected_md5="0" * 32)
+    good = hashlib.md5(idx_bytes(np.arange(10, dtype=np.uint8))).hexdigest()
+    assert read_idx(path, expected_md5=good).shape == (10,)
+
+
+# ---------------------------------------------------------------------------- find_idx_files
+@pytest.mark.parametrize(
+    ("sub", "gz"),
+    [("", False), ("", True), ("FashionMNIST/raw", True), ("FashionMNIST/raw", False),
+     ("fashion-mnist", (True, False, False, True))],
+)
+def test_find_layouts(tmp_path: Path, sub: str, gz: bool | tuple[bool, ...]) -> None:
+    """Flat, torchvision and named-folder layouts are found, with .gz or raw files."""
+    written = write_dataset(tmp_path / sub if sub else tmp_path, gz=gz)
+    assert find_idx_files(tmp_path, "FashionMNIST", verify=False) == written
+
+
+def test_find_prefers_first_layout_and_uncompressed(tmp_path: Path) -> None:
+    """The data_dir itself wins over the torchvision folder; raw wins over .gz."""
+    write_dataset(tmp_path / "FashionMNIST" / "raw", gz=True)
+    write_dataset(tmp_path, gz=True)
+    raw = write_dataset(tmp_path, gz=False)
+    assert find_idx_files(tmp_path, "FashionMNIST", verify=False) == raw
+
+
+def test_find_md5_mismatch(tmp_path: Path) -> None:
+    """Files that are not the reference dataset fail verification, naming the file."""
+    write_dataset(tmp_path, gz=True)
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte.gz: md5 of the decompressed content is"):
+        find_idx_files(tmp_path, "FashionMNIST", verify=True)
+    with pytest.raises(DataError, match="md5"):
+        make_dm(tmp_path, verify=True).setup()
+
+
+def test_find_missing_lists_searched_folders(tmp_path: Path) -> None:
+    """One DataError names every searched folder, the expected files and data.download."""
+    missing = tmp_path / "nowhere"
+    with pytest.raises(DataError) as info:
+        find_idx_files(missing, "MNIST")
+    message = str(info.value)
+    assert "\n" not in message
+    for folder in (missing, missing / "MNIST" / "raw", missing / "mnist"):
+        assert str(folder) in message
+    assert all(name in message for name in FILE_NAMES.values())
+    assert "data.download: true" in message
+
+
+def test_find_partial_folder_is_reported(tmp_path: Path) -> None:
+    """A folder with only some of the files is pointed out."""
+    write_dataset(tmp_path, gz=True)
+    next(tmp_path.glob("t10k-labels*")).unlink()
+    with pytest.raises(DataError, match=rf"{tmp_path} has only \['t10k-images"):
+        find_idx_files(tmp_path, "FashionMNIST")
+
+
+def test_download_failure_is_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline download becomes one DataError naming data.download (no network used)."""
+    import torchvision.datasets
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\n<urlopen error offline>")
+
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", offline)
+    with pytest.raises(DataError, match=r"^data.download: could not download FashionMNIST .*offline") as info:
+        make_dm(tmp_path, download=True).prepare_data()
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_dataset_name() -> None:
+    """Only the registered IDX datasets are accepted."""
+    with pytest.raises(ConfigError, match="dataset_name must be one of"):
+        find_idx_files("data", "CIFAR10")
+
+
+# --------------------------------------------------------------------------- datamodule
+def test_datamodule_reads_tiny_files(tmp_path: Path) -> None:
+    """Merged 160 samples are partitioned, split 75/25, normalised and exposed per client."""
+    write_dataset(tmp_path / "FashionMNIST" / "raw", gz=True)
+    dm = make_dm(tmp_path)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.input_shape == (1, 28, 28) and dm.num_classes == 10
+    total = dm.train_sizes + dm.test_sizes
+    assert total.sum() == N_TRAIN + N_TEST and total.min() >= 10
+    np.testing.assert_array_equal(dm.train_sizes, np.floor(0.75 * total).astype(np.int64))
+    assert dm.train_sizes.dtype == np.int64 and len(dm.test_sizes) == 4
+    for cid in range(4):
+        (x, y), (xt, yt) = dm.client_train(cid), dm.client_test(cid)
+        assert x.dtype == torch.float32 and x.shape == (dm.train_sizes[cid], 1, 28, 28) and x.is_contiguous()
+        assert y.dtype == torch.int64 and len(yt) == dm.test_sizes[cid] and xt.shape[1:] == x.shape[1:]
+        assert -1.0 <= float(x.min()) and float(x.max()) <= 1.0
+    x, y, cid = dm.pooled_test()
+    assert dm.pooled_test()[0] is x  # cached
+    np.testing.assert_array_equal(torch.bincount(cid).numpy(), dm.test_sizes)
+    assert torch.equal(x[cid == 2], dm.client_test(2)[0]) and torch.equal(y[cid == 2], dm.client_test(2)[1])
+    assert len(dm.pooled_train()[1]) == dm.train_sizes.sum()
+    hist = dm.label_histogram()
+    assert hist.shape == (4, 10) and np.array_equal(hist.sum(1), dm.train_sizes)
+
+
+def test_normalisation_values(tmp_path: Path) -> None:
+    """Pixel p maps to (p / 255 - 0.5) / 0.5 exactly; every sample keeps its label."""
+    write_dataset(tmp_path, gz=False)
+    dm = make_dm(tmp_path, num_clients=2, partition="iid")
+    dm.setup()
+    arrays = {k: read_idx(p) for k, p in find_idx_files(tmp_path, "FashionMNIST", verify=False).items()}
+    images = np.concatenate([arrays["train_images"], arrays["test_images"]]).reshape(N_TRAIN + N_TEST, -1)
+    x, y, _ = dm.pooled_train()
+    expected = (images.astype(np.float32) / 255 - 0.5) / 0.5
+    # match each pooled sample to its source row via its raw bytes
+    rows = {img.tobytes(): i for i, img in enumerate(images)}
+    src = [rows[np.round((xi.numpy().reshape(-1) * 0.5 + 0.5) * 255).astype(np.uint8).tobytes()] for xi in x]
+    np.testing.assert_allclose(x.reshape(len(x), -1).numpy(), expected[src], atol=1e-6)
+    labels = np.concatenate([arrays["train_labels"], arrays["test_labels"]])
+    np.testing.assert_array_equal(y.numpy(), labels[src])
+
+
+def test_setup_is_idempotent_and_deterministic(tmp_path: Path) -> None:
+    """A second setup() is a no-op; the same config gives the same fingerprint."""
+    write_dataset(tmp_path, gz=True)
+    dm = make_dm(tmp_path)
+    dm.setup()
+    first = dm.client_train(0)[0]
+    dm.setup()
+    assert dm.client_train(0)[0] is first
+    other = make_dm(tmp_path)
+    other.setup()
+    assert other.state_dict() == dm.state_dict()
+
+
+def test_unmerged_splits(tmp_path: Path) -> None:
+    """merge_official_splits=false partitions the official train split only."""
+    write_dataset(tmp_path, gz=True)
+    dm = make_dm(tmp_path, merge_official_splits=False)
+    dm.setup()
+    assert (dm.train_sizes + dm.test_sizes).sum() == N_TRAIN
+
+
+def test_labels_out_of_range(tmp_path: Path) -> None:
+    """A label >= num_classes is a DataError naming the label file."""
+    write_dataset(tmp_path, gz=True, max_label=11)
+    with pytest.raises(DataError, match=r"train-labels-idx1-ubyte.gz: labels must be in \[0, 10\), got max 11$"):
+        make_dm(tmp_path).setup()
+
+
+def test_wrong_image_shape(tmp_path: Path) -> None:
+    """8x8 images are rejected by a 28x28 dataset, naming the image file."""
+    write_dataset(tmp_path, gz=True, shape=(8, 8))
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte.gz: images must be \(N, 28, 28\)"):
+        make_dm(tmp_path).setup()
+
+
+class ArrayDataModule(FederatedDataModule):
+    """Serves fixed arrays, to test the base class's own checks."""
+
+    num_classes = 3
+    expected_input_shape = (1, 4, 4)
+
+    def __init__(self, arrays: tuple, **kwargs: Any) -> None:
+        super().__init__(num_clients=2, partition="iid", **kwargs)
+        self.arrays = arrays
+
+    def load_arrays(self) -> tuple:
+        """Return the stored arrays."""
+        return self.arrays
+
+
+@pytest.mark.parametrize(
+    ("arrays", "pattern"),
+    [
+        ((np.zeros((10, 4, 4), np.uint8), np.arange(10) % 4, None, None), r"must be in \[0, 3\), got range \[0, 3\]"),
+        ((np.zeros((10, 4, 4), np.uint8), np.arange(10) - 1, None, None), r"got range \[-1, 8\]"),
+        ((np.zeros((10, 4, 4), np.uint8), np.zeros(10), None, None), "labels must be a 1-D integer array"),
+        ((np.zeros((9, 4, 4), np.uint8), np.zeros(10, int), None, None), r"images must be \(N, H, W\) or"),
+        ((np.zeros((10, 2, 4, 4), np.uint8), np.zeros(10, int), None, None), r"= \(1, 4, 4\), got \(2, 4, 4\)"),
+        ((np.zeros((10, 4, 4)), np.zeros(10, int), np.zeros((5, 4, 4)), np.full(5, 7)), "official test split: labels"),
+    ],
+)
+def test_base_array_checks(arrays: tuple, pattern: str) -> None:
+    """The base class rejects bad labels and shapes from any subclass with a DataError."""
+    with pytest.raises(DataError, match=rf"^ArrayDataModule .*{pattern}"):
+        ArrayDataModule(arrays).setup()
+
+
+def test_float_images_and_unmerged_test_arrays() -> None:
+    """Float images in [0, 1] are not divided by 255; unmerged official test arrays are ignored."""
+    x = np.full((10, 4, 4), 0.75, dtype=np.float32)
+    dm = ArrayDataModule((x, np.arange(10) % 3, np.zeros((5, 4, 4)), np.zeros(5, int)), merge_official_splits=False)
+    dm.setup()
+    assert dm.pooled_train()[0].unique().tolist() == [0.5] and int(dm.train_sizes.sum() + dm.test_sizes.sum()) == 10
+
+
+def test_state_dict_detects_changed_partition(tmp_path: Path) -> None:
+    """Loading a checkpoint's state with another seed raises (also when loaded before setup)."""
+    write_dataset(tmp_path, gz=True)
+    dm = make_dm(tmp_path)
+    dm.setup()
+    state = dm.state_dict()
+    assert len(state["fingerprint"]) == 64
+    same = make_dm(tmp_path)
+    same.load_state_dict(state)  # deferred until setup
+    same.setup()
+    changed = make_dm(tmp_path, partition_seed=2)
+    changed.setup()
+    with pytest.raises(DataError, match=r"partition_seed': \(1, 2\)"):
+        changed.load_state_dict(state)
+    deferred = make_dm(tmp_path, alpha=5.0)
+    deferred.load_state_dict(state)
+    with pytest.raises(DataError, match="data partition differs"):
+        deferred.setup()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_clients": 0}, "num_clients"),
+        ({"num_clients": True}, "num_clients"),
+        ({"partition": "pathological"}, "partition"),
+        ({"alpha": -1}, "alpha"),
+        ({"alpha": float("inf")}, "alpha"),
+        ({"min_size": 1}, "min_size"),
+        ({"train_fraction": 1.0}, "train_fraction"),
+        ({"merge_official_splits": "yes"}, "merge_official_splits"),
+        ({"partition_seed": -1}, "partition_seed"),
+        ({"download": 1}, "download"),
+        ({"data_dir": ""}, "data_dir"),
+        ({"verify": None}, "verify"),
+    ],
+)
+def test_bad_config(kwargs: dict, field: str) -> None:
+    """Each invalid argument raises one ConfigError naming data.<field>."""
+    with pytest.raises(ConfigError, match=rf"^data\.{field} must"):
+        FashionMNISTDataModule(**kwargs)
+
+
+def test_impossible_min_size_names_data_field(tmp_path: Path) -> None:
+    """Partition errors raised in setup carry the data. prefix."""
+    write_dataset(tmp_path, gz=True)
+    with pytest.raises(ConfigError, match=r"^data\.min_size=50 is impossible"):
+        make_dm(tmp_path, min_size=50).setup()
+
+
+def test_client_access_before_setup_and_bad_id(tmp_path: Path) -> None:
+    """Client data needs setup(); client ids are range-checked."""
+    dm = SyntheticDataModule(num_samples=200, num_clients=3, image_shape=(1, 4, 4))
+    assert dm.input_shape == (1, 4, 4)
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.client_train(0)
+    dm.setup()
+    with pytest.raises(IndexError, match=r"\[0, 3\)"):
+        dm.client_test(3)
+
+
+# ---------------------------------------------------------------------------- synthetic
+def test_synthetic_is_seeded_and_learnable() -> None:
+    """Same seeds give identical data; nearest class mean on train scores > 90 % on test."""
+    kwargs = {"num_samples": 600, "num_clients": 3, "image_shape": (3, 8, 8), "num_classes": 4, "alpha": 1.0}
+    dm, again = SyntheticDataModule(**kwargs), SyntheticDataModule(**kwargs)
+    dm.setup()
+    again.setup()
+    assert torch.equal(dm.client_train(1)[0], again.client_train(1)[0])
+    assert dm.input_shape == (3, 8, 8) and dm.num_classes == 4 and FederatedDataModule.num_classes == 0
+    assert dm.label_histogram().shape == (3, 4)
+    x, y, _ = dm.pooled_train()
+    means = torch.stack([x[y == k].mean(0) for k in range(4)]).flatten(1)
+    xt, yt, _ = dm.pooled_test()
+    pred = torch.cdist(xt.flatten(1), means).argmin(1)
+    assert (pred == yt).float().mean() > 0.9
+    reseeded = SyntheticDataModule(seed=1, **kwargs)
+    reseeded.setup()
+    assert reseeded.state_dict()["fingerprint"] != dm.state_dict()["fingerprint"]
+    with pytest.raises(ConfigError, match=r"^data\.image_shape"):
+        SyntheticDataModule(image_shape=(28, 28))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- real data
+@pytest.mark.skipif(not (DATA / "fashion-mnist").is_dir(), reason=f"real Fashion-MNIST not found under {DATA}")
+def test_real_fashion_mnist_default_partition() -> None:
+    """Spec §4.3: 70 000 merged samples, 10 clients >= 10 samples, 75/25; seed 1, alpha 0.1."""
+    dm = FashionMNISTDataModule(data_dir=str(DATA))
+    dm.prepare_data()
+    dm.setup()
+    total = dm.train_sizes + dm.test_sizes
+    assert total.sum() == 70_000 and dm.num_clients == 10 and total.min() >= 10
+    np.testing.assert_array_equal(dm.train_sizes, total * 3 // 4)
+    assert total.tolist() == [1232, 7630, 11422, 3139, 5335, 1420, 13314, 8051, 7051, 11406]
+    assert dm.label_histogram().sum() == dm.train_sizes.sum()
+
+
+@pytest.mark.skipif(not (DATA / "mnist").is_dir(), reason=f"real MNIST not found under {DATA}")
+def test_real_mnist_checksums() -> None:
+    """The hard-coded md5s of the decompressed MNIST files match the shared copy."""
+    paths = find_idx_files(DATA, "MNIST", verify=True)
+    assert set(paths) == set(IDX_DATASETS["MNIST"].md5)
