@@ -81,7 +81,7 @@ class Federation(LightningModule):
 
     def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
                  clients_per_round: int | None = None, eval_every: int = 10, eval_train_splits: bool = True,
-                 eval_batch_size: int = 4096, server_optimizer: OptimizerCallable = _server_sgd,
+                 eval_batch_size: int = 1024, server_optimizer: OptimizerCallable = _server_sgd,
                  seed: int = 0) -> None:
         super().__init__()
         require(num_rounds is None or num_rounds >= 1, f"model.num_rounds must be >= 1 or null, got {num_rounds}")

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,8 @@ class FedFDPCLI(LightningCLI):
         except OSError as err:
             raise ConfigError(f"run_dir {run_dir} is not writable: {err.strerror}") from err
         self.run_dir = run_dir
+        if resuming and (run_dir / "metrics.csv").exists():  # Lightning's CSVLogger would delete it
+            (run_dir / "metrics.csv").rename(run_dir / f"metrics.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.csv")
         trainer_cfg = self.config_init.get("trainer", {})
         kwargs.setdefault("default_root_dir", str(run_dir))
         if trainer_cfg.get("logger") in (None, True):
@@ -126,9 +130,7 @@ def _wandb_run_id(run_dir: Path) -> str:
     path = run_dir / "wandb_run_id"
     if path.exists():
         return path.read_text().strip()
-    from wandb.util import generate_id
-
-    run_id = generate_id()
+    run_id = uuid.uuid4().hex[:8]
     path.write_text(run_id)
     return run_id
 
@@ -145,9 +147,36 @@ def build_cli(args: list[str] | None = None) -> FedFDPCLI:
     )
 
 
+def _configure_logging() -> None:
+    """INFO logs of our packages on stderr (Lightning keeps its own handler), known noise filtered."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("fedfdp", "callbacks", "datamodules"):
+        log = logging.getLogger(name)
+        if not log.handlers:
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    # Saving the post-step state is what we want: a checkpoint at step t holds w_t after round t.
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
+    warnings.filterwarnings("ignore", message=".*does not have many workers")
+    # The round index is global_step, restored from the checkpoint; the rounds loader has no state.
+    warnings.filterwarnings("ignore", message=".*your dataloader is not resumable")
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's multi-line messages as one line; class-path errors list the shipped classes."""
+    line = " ".join(part.strip(" -") for part in message.strip().splitlines() if part.strip(" -"))
+    if "class_path" in line and "model.algorithm" in line:
+        import fedfdp.algorithms
+
+        line += f" (shipped: {', '.join('fedfdp.algorithms.' + n for n in fedfdp.algorithms.__all__)})"
+    return line
+
+
 def main(args: list[str] | None = None) -> int:
     """Entry point; returns the process exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     try:
         cli = build_cli(args)
         ckpt = cli.config.get("ckpt_path")
@@ -157,7 +186,7 @@ def main(args: list[str] | None = None) -> int:
         return 2
     except Exception as err:  # jsonargparse parse errors: keep them to one line
         if type(err).__name__ == "ArgumentError":
-            print(f"error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
+            print(f"error: {_one_line(str(err))}", file=sys.stderr)
             return 2
         raise
     return 0
