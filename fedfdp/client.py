@@ -83,6 +83,15 @@ class ClientModule(LightningModule):
         for group in self.local_optimizer.param_groups:
             group["lr"] = lr
 
+    def _apply_grad_transform(self, batch: LocalBatch) -> None:
+        """Add the algorithm's data-independent gradient terms (after privatisation)."""
+        if batch.grad_transform is None:
+            return
+        params = self.trainable_parameters()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for param, grad in zip(params, batch.grad_transform(params, grads)):
+            param.grad = grad
+
     def _plain_step(self, batch: LocalBatch) -> StepOutput:
         """``w ← w − η · s(ℓ_b) · ∇ℓ_b`` with ``ℓ_b`` the batch-mean loss (FedFair Eq. 9 when scaled)."""
         self.local_optimizer.zero_grad(set_to_none=True)
@@ -92,6 +101,7 @@ class ClientModule(LightningModule):
             self.manual_backward(scaled)  # precision plugins (AMP scaling) apply
         else:
             scaled.backward()
+        self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()
         return StepOutput(loss=float(loss.detach()), batch_size=int(batch.y.shape[0]))
@@ -109,6 +119,7 @@ class ClientModule(LightningModule):
         noisy = add_gaussian_noise(result.weighted_sum(factors), batch.noise_std, batch.generator)
         for param, grad in zip(self.trainable_parameters(), noisy):
             param.grad = grad / batch.denominator
+        self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()
         n = int(batch.y.shape[0])

@@ -204,7 +204,7 @@ class Federation(LightningModule):
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
         updates: list[ClientUpdate] = []
         for cid in client_ids:
-            self.client.set_flat_params(global_params)
+            self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
             data = self.client_data(cid)
             generator = torch_generator(self.seed, "client", round_idx, cid, device=self.device)
             update = self.algorithm.local_update(self.client, data, context, generator)
@@ -240,19 +240,14 @@ class Federation(LightningModule):
         self.log_dict({k: float(v) for k, v in metrics.items() if k not in shown}, on_step=True, on_epoch=False)
 
     def evaluate(self, rounds_done: int) -> dict[str, float]:
-        """Global model on every client's test (and train) split; fires ``on_evaluate``."""
-        dm = self.datamodule
-        weights = torch.as_tensor(np.asarray(dm.train_sizes), dtype=torch.float64)
-        x, y, cid = (t.to(self.device) for t in dm.pooled_test())
-        test = evaluate_clientwise(self.global_model, self.client.per_sample_loss, x, y, cid,
-                                   self.num_clients, self.eval_batch_size)
+        """Each client's evaluation model on its test (and train) split; fires ``on_evaluate``."""
+        weights = torch.as_tensor(np.asarray(self.datamodule.train_sizes), dtype=torch.float64)
+        test = self._evaluate_split("test")
         acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
         scalars = {"accuracy": float(test["pooled_accuracy"]), **fairness_summary(acc, loss, weights)}
         scalars["psi_paper"] = scalars["psi"]
         if self.eval_train_splits:
-            x, y, cid = (t.to(self.device) for t in dm.pooled_train())
-            train = evaluate_clientwise(self.global_model, self.client.per_sample_loss, x, y, cid,
-                                        self.num_clients, self.eval_batch_size)
+            train = self._evaluate_split("train")
             scalars["train_accuracy"] = float(train["pooled_accuracy"])
             scalars["psi_train_global"] = fairness_summary(train["accuracy"].cpu(), train["loss"].cpu(),
                                                            weights)["psi"]
@@ -264,6 +259,32 @@ class Federation(LightningModule):
         logger.info("round %d: accuracy %.4f psi %.4g worst-client %.4f", rounds_done, scalars["accuracy"],
                     scalars["psi"], scalars["accuracy_worst"])
         return {**scalars, **extra}
+
+    def _evaluate_split(self, split: str) -> dict[str, torch.Tensor]:
+        """One pooled pass per evaluation model (one in total for a single global model)."""
+        x, y, cid = (t.to(self.device) for t in
+                     (self.datamodule.pooled_test() if split == "test" else self.datamodule.pooled_train()))
+        global_params = parameters_to_vector(self.global_model.parameters()).detach()
+        groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
+        if len(groups) == 1 and len(groups[0][0]) == self.num_clients:
+            model = self.global_model if groups[0][1] is global_params else self._load_eval(groups[0][1])
+            return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
+                                       self.eval_batch_size)
+        totals: dict[str, torch.Tensor] = {}
+        for client_ids, params in groups:
+            mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))
+            part = evaluate_clientwise(self._load_eval(params), self.client.per_sample_loss, x[mask], y[mask],
+                                       cid[mask], self.num_clients, self.eval_batch_size)
+            for key in ("correct", "count", "loss_sum"):
+                totals[key] = totals.get(key, 0) + part[key]
+        count = totals["count"].clamp(min=1)
+        return {"accuracy": totals["correct"] / count, "loss": totals["loss_sum"] / count,
+                "pooled_accuracy": totals["correct"].sum() / totals["count"].sum().clamp(min=1)}
+
+    def _load_eval(self, params: torch.Tensor) -> torch.nn.Module:
+        """The client's network holding ``params`` (used as a scratch evaluation model)."""
+        self.client.set_flat_params(params)
+        return self.client.net
 
     @property
     def round_seconds(self) -> list[float]:

@@ -156,6 +156,7 @@ def _configure_logging() -> None:
         if not log.handlers:
             log.addHandler(handler)
         log.setLevel(logging.INFO)
+        log.propagate = False  # a root handler installed by a dependency would print every line twice
     # Saving the post-step state is what we want: a checkpoint at step t holds w_t after round t.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")

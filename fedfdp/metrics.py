@@ -68,7 +68,8 @@ class ClientwiseMetrics(Metric):
         """Per-client accuracy and mean loss, and the pooled accuracy."""
         count = self.count.clamp(min=1)
         return {"accuracy": self.correct / count, "loss": self.loss_sum / count,
-                "pooled_accuracy": self.correct.sum() / self.count.sum().clamp(min=1), "count": self.count}
+                "pooled_accuracy": self.correct.sum() / self.count.sum().clamp(min=1), "count": self.count,
+                "correct": self.correct, "loss_sum": self.loss_sum}
 
 
 @dataclass

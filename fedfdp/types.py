@@ -52,6 +52,11 @@ class LocalBatch:
     ``loss_scale(mean_loss)`` (FedFair's dynamic learning rate, Eq. 9). Otherwise the step is
     private: per-sample factors from ``clip_rule``, Gaussian noise of std ``noise_std`` on the sum,
     division by ``denominator``.
+
+    ``grad_transform(params, grads) -> grads`` runs after privatisation (after noise and
+    normalisation) and before the optimizer step: the place for data-independent terms such as
+    FedProx's ``μ(w − w_t)`` or SCAFFOLD's ``c − c_i``. Inside the per-sample loss they would be
+    clipped away (style.md §4.2); here they are post-processing and cost no privacy.
     """
 
     x: Tensor
@@ -62,6 +67,7 @@ class LocalBatch:
     denominator: float = 1.0
     generator: torch.Generator | None = None
     loss_scale: Callable[[Tensor], Tensor] | None = None
+    grad_transform: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None
 
 
 @dataclass

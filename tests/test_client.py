@@ -83,3 +83,17 @@ def test_next_loss_bound_rules():
     assert next_loss_bound("fixed", released=0.7, initial=2.5) == 2.5
     assert next_loss_bound("scaled_adaptive", released=0.7, initial=2.5, scale=2.0) == 1.4
     assert next_loss_bound("floor", released=0.01, initial=2.5, floor=0.1) == 0.1
+
+
+def test_grad_transform_reaches_the_update_after_privatisation():
+    """A data-independent term added by grad_transform is not clipped or scaled away."""
+    x, y = _batch()
+    client = tiny_client()
+    start = client.get_flat_params()
+    kwargs = dict(x=x, y=y, lr=1.0, clip_rule=FlatClip(1e-6), noise_std=0.0, denominator=1.0,
+                  generator=torch_generator(0, "x"))
+    client.training_step(LocalBatch(**kwargs))
+    base = client.get_flat_params()
+    client.set_flat_params(start)
+    client.training_step(LocalBatch(**kwargs, grad_transform=lambda ps, gs: [g + 3.0 for g in gs]))
+    torch.testing.assert_close(base - client.get_flat_params(), torch.full_like(base, 3.0))

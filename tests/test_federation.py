@@ -170,3 +170,17 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path):
     assert cbs1[1].state_dict() == cbs3[1].state_dict()
     assert cbs1[0].state_dict() == cbs3[0].state_dict()
     assert straight.algorithm.broadcast_loss == resumed.algorithm.broadcast_loss
+
+
+def test_evaluation_groups_give_per_client_models():
+    """An algorithm whose evaluation groups all hold the global model reports the same metrics."""
+    class Split(FedAvg):
+        def evaluation_groups(self, global_params, num_clients):
+            return [([c], global_params.clone()) for c in range(num_clients)]
+
+    one, _ = run_federation(FedAvg(batch_size=32), [], rounds=1)
+    split, _ = run_federation(Split(batch_size=32), [], rounds=1)
+    assert torch.equal(flat(one.global_model), flat(split.global_model))
+    a, b = one.last_evaluation, split.last_evaluation
+    torch.testing.assert_close(a.client_accuracy, b.client_accuracy)
+    torch.testing.assert_close(a.client_loss, b.client_loss)

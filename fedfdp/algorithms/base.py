@@ -40,6 +40,21 @@ class Algorithm:
         """What the server broadcasts besides ``w_t`` (nothing by default)."""
         return RoundContext(round=round_idx)
 
+    def client_start_params(self, client_id: int, global_params: Tensor, context: RoundContext) -> Tensor:
+        """The model client ``client_id`` starts its local update from (``w_t`` by default).
+
+        Clustered algorithms return the client's cluster model here.
+        """
+        return global_params
+
+    def evaluation_groups(self, global_params: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
+        """Which model evaluates which clients: ``[(client_ids, params), ...]``.
+
+        Default: the global model for every client. Clustered or personalised algorithms return
+        one group per cluster model (or per client).
+        """
+        return [(list(range(num_clients)), global_params)]
+
     def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
         """New global model from the uploads: ``Σ_i p_i w_{t+1}^i`` with ``p_i ∝ |D_i|``."""
         return weighted_mean([u.params for u in updates], [u.num_examples for u in updates])
