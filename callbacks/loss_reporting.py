@@ -21,7 +21,7 @@ from fedfdp.errors import ConfigError, require
 from fedfdp.metrics import weighted_variance
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import LossClipRule, NormalizeBy, batch_denominator, next_loss_bound, noisy_loss_release
-from fedfdp.seeding import poisson_mask, torch_generator
+from fedfdp.seeding import poisson_mask
 from fedfdp.types import LOSS_RELEASE, ClientData, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class NoisyLossReporting(LossReporting):
                          data: ClientData, update: ClientUpdate) -> None:
         """Release ``F̃_i`` on a fresh Poisson sample (spec A-7) and append its DP event."""
         rate = self._rate(federation)
-        gen = torch_generator(federation.seed, "loss", federation.current_round, data.client_id, device=data.y.device)
+        gen = federation.generator("loss", federation.current_round, data.client_id)
         mask = poisson_mask(data.size, rate, gen)
         losses = self._losses(client, data.x[mask], data.y[mask])
         bound = self.bound(data.client_id)

@@ -44,10 +44,12 @@ class RunSummary(FederationCallback):
 
     Args:
         dirpath: where to write (default: the trainer's ``default_root_dir``, i.e. the run directory).
+        report: also write ``report.md`` with PNG plots at the end of the run (:mod:`fedfdp.report`).
     """
 
-    def __init__(self, dirpath: str | None = None) -> None:
+    def __init__(self, dirpath: str | None = None, report: bool = True) -> None:
         self.dirpath = dirpath
+        self.report = report
         self.best_accuracy: float | None = None
         self.best_round: int | None = None
         self.history: list[dict[str, float]] = []
@@ -94,8 +96,15 @@ class RunSummary(FederationCallback):
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Log where the summary is."""
-        logger.info("summary written to %s", self._path(trainer))
+        """Write the run report (plots need the CSV metrics, flushed by the loggers at the end)."""
+        path = self._path(trainer)
+        logger.info("summary written to %s", path)
+        if self.report and path.exists():
+            from fedfdp.report import write_report
+
+            for lg in trainer.loggers:
+                lg.save()
+            logger.info("report written to %s", write_report(path.parent))
 
     def state_dict(self) -> dict[str, Any]:
         """Best accuracy and the evaluation history (so a resumed run's summary is complete)."""

@@ -23,6 +23,9 @@ from fedfdp.privacy.release import add_gaussian_noise
 from fedfdp.types import LocalBatch, StepOutput
 
 
+_QUANTILES = torch.tensor([0.05, 0.5, 0.95])
+
+
 class ClientModule(LightningModule):
     """A federated client's model and its local step.
 
@@ -126,4 +129,6 @@ class ClientModule(LightningModule):
         clipped = float((result.norms * factors.abs() < result.norms - 1e-12).float().mean()) if n else 0.0
         negative = float(getattr(batch.clip_rule, "last_negative_fraction", 0.0))
         loss = float(result.losses.mean()) if n else 0.0
-        return StepOutput(loss=loss, batch_size=n, negative_fraction=negative, clipped_fraction=clipped)
+        quantiles = tuple(torch.quantile(factors.float(), _QUANTILES.to(factors.device)).tolist()) if n else (0.0,) * 3
+        return StepOutput(loss=loss, batch_size=n, negative_fraction=negative, clipped_fraction=clipped,
+                          factor_quantiles=quantiles)  # type: ignore[arg-type]

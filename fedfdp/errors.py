@@ -28,3 +28,7 @@ def require(condition: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+class DivergenceError(FedFDPError):
+    """Training produced NaN or Inf (a loss or a model update)."""

@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader, Dataset
 from callbacks.base import FederationCallback
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
-from fedfdp.errors import ConfigError, require
+from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
 from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.seeding import numpy_generator, torch_generator
+from fedfdp.seeding import RandomSource, make_generator, numpy_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
@@ -77,12 +77,15 @@ class Federation(LightningModule):
         eval_batch_size: batch size of evaluation passes.
         server_optimizer: optimizer of the global model on the pseudo-gradient (SGD lr 1 = FedAvg).
         seed: seed of every random stream of the run (client sampling, Poisson batches, noise).
+        secure_rng: draw Poisson masks and DP noise from the OS CSPRNG instead of seeded
+            generators (for deployments; runs are then not reproducible). Off by default for speed
+            and reproducibility.
     """
 
     def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
                  clients_per_round: int | None = None, eval_every: int = 10, eval_train_splits: bool = True,
                  eval_batch_size: int = 1024, server_optimizer: OptimizerCallable = _server_sgd,
-                 seed: int = 0) -> None:
+                 seed: int = 0, secure_rng: bool = False) -> None:
         super().__init__()
         require(num_rounds is None or num_rounds >= 1, f"model.num_rounds must be >= 1 or null, got {num_rounds}")
         require(clients_per_round is None or clients_per_round >= 1,
@@ -102,6 +105,7 @@ class Federation(LightningModule):
         self.eval_batch_size = eval_batch_size
         self.server_optimizer = server_optimizer
         self.seed = seed
+        self.secure_rng = secure_rng
         self.total_rounds = num_rounds or 0
         self.current_round = 0
         self.last_evaluation: EvaluationResult | None = None
@@ -156,7 +160,18 @@ class Federation(LightningModule):
         checkpoint["fedfdp"] = {"algorithm": self.algorithm.state_dict(), "total_rounds": self.total_rounds}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the algorithm's server state."""
+        """Restore the algorithm's server state; refuse a run that has no rounds left.
+
+        ``setup`` (which fixes ``total_rounds`` from ``num_rounds`` and the privacy budget) runs
+        before Lightning restores a checkpoint, so a finished run is caught here, before Lightning
+        would silently stop at ``max_steps``.
+        """
+        done = int(checkpoint.get("global_step", 0))
+        if done >= self.total_rounds:
+            raise PrivacyBudgetError(
+                f"the checkpoint is at round {done} and this run allows {self.total_rounds} rounds "
+                f"(model.num_rounds and the privacy budget); nothing left to train: raise model.num_rounds "
+                f"if the budget allows it")
         self.algorithm.load_state_dict(checkpoint["fedfdp"]["algorithm"])
 
     # ---- federation ----------------------------------------------------------------------------
@@ -189,6 +204,10 @@ class Federation(LightningModule):
         x, y = self.datamodule.client_train(client_id)
         return ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device))
 
+    def generator(self, *keys: int | str) -> RandomSource:
+        """The random source of stream ``keys`` (seeded, or the CSPRNG with ``secure_rng``)."""
+        return make_generator(self.seed, *keys, device=self.device, secure=self.secure_rng)
+
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.federation_callbacks():
             getattr(cb, hook)(self.trainer, self, *args)
@@ -206,13 +225,14 @@ class Federation(LightningModule):
         for cid in client_ids:
             self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
             data = self.client_data(cid)
-            generator = torch_generator(self.seed, "client", round_idx, cid, device=self.device)
+            generator = self.generator("client", round_idx, cid)
             update = self.algorithm.local_update(self.client, data, context, generator)
             self._call("on_client_update", self.client, data, update)
             if not torch.isfinite(update.params).all() or (
                     update.reported_loss is not None and not math.isfinite(update.reported_loss)):
-                raise FloatingPointError(f"round {round_idx}: client {cid} produced a non-finite model or loss; "
-                                         f"the last checkpoint and summary are kept")
+                raise DivergenceError(f"round {round_idx + 1}: client {cid} produced a non-finite model or loss "
+                                      f"(diverged; lower algorithm.lr?); the last checkpoint and summary.json "
+                                      f"are kept")
             updates.append(update)
         self._call("on_before_aggregate", updates)
 

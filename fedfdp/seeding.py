@@ -1,12 +1,21 @@
-"""Explicit, resumable randomness.
+"""Explicit, resumable randomness, and a cryptographically secure alternative.
 
 Every random draw of a run comes from a generator derived from ``(seed, round, client, stream)``
 with numpy's ``SeedSequence``. A round therefore draws the same numbers whether the run was
 interrupted and resumed or not, without storing generator states in checkpoints.
+
+``torch.Generator`` (Mersenne Twister) is reproducible but predictable: fine for research, not
+for a deployment whose adversary could reconstruct the noise. With ``secure_rng: true`` the
+federation hands out :class:`SecureGenerator` objects instead, which draw Poisson masks and
+Gaussian noise from the operating system's CSPRNG (``os.urandom``), like Opacus' secure mode.
+Runs are then not reproducible. (Floating-point attacks on the Gaussian sampler, Mironov 2012,
+are not addressed by either source.)
 """
 
 from __future__ import annotations
 
+import math
+import os
 import zlib
 
 import numpy as np
@@ -31,6 +40,61 @@ def numpy_generator(seed: int, *keys: int | str) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *keys))
 
 
-def poisson_mask(n: int, sample_rate: float, generator: torch.Generator) -> torch.Tensor:
+class SecureGenerator:
+    """Uniform and Gaussian draws from ``os.urandom`` (a CSPRNG), for production noise.
+
+    Args:
+        device: device of the returned tensors.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """``n`` float64 uniforms in ``(0, 1]`` with 53 random bits each."""
+        bits = np.frombuffer(os.urandom(8 * n), dtype=np.uint64) >> np.uint64(11)
+        return torch.from_numpy((bits.astype(np.float64) + 1.0) / float(2**53))
+
+    def normal(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Standard normal draws by the Box-Muller transform of CSPRNG uniforms."""
+        n = math.prod(shape)
+        u1, u2 = self.uniform(n), self.uniform(n)
+        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+        return z.reshape(shape).to(device=self.device, dtype=dtype)
+
+
+RandomSource = torch.Generator | SecureGenerator
+"""Where a private step draws its sampling and noise randomness from."""
+
+
+def make_generator(seed: int, *keys: int | str, device: torch.device | str = "cpu",
+                   secure: bool = False) -> RandomSource:
+    """A seeded ``torch.Generator`` for stream ``keys``, or a :class:`SecureGenerator` when ``secure``."""
+    return SecureGenerator(device) if secure else torch_generator(seed, *keys, device=device)
+
+
+def rand(n: int, generator: RandomSource) -> torch.Tensor:
+    """``n`` uniforms in [0, 1) on the generator's device."""
+    if isinstance(generator, SecureGenerator):
+        return generator.uniform(n).to(generator.device) - 2.0**-53
+    return torch.rand(n, generator=generator, device=generator.device)
+
+
+def randn(shape: tuple[int, ...] | torch.Size, generator: RandomSource, *, dtype: torch.dtype = torch.float32,
+          device: torch.device | str | None = None) -> torch.Tensor:
+    """Standard normal draws of ``shape``."""
+    if isinstance(generator, SecureGenerator):
+        return generator.normal(shape, dtype).to(device or generator.device)
+    return torch.randn(shape, generator=generator, dtype=dtype, device=device or generator.device)
+
+
+def randperm(n: int, generator: RandomSource) -> torch.Tensor:
+    """A random permutation of ``range(n)``."""
+    if isinstance(generator, SecureGenerator):
+        return torch.argsort(generator.uniform(n)).to(generator.device)
+    return torch.randperm(n, generator=generator, device=generator.device)
+
+
+def poisson_mask(n: int, sample_rate: float, generator: RandomSource) -> torch.Tensor:
     """Poisson subsampling: each of ``n`` records is included independently with probability q."""
-    return torch.rand(n, generator=generator, device=generator.device) < sample_rate
+    return rand(n, generator) < sample_rate

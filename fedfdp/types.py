@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule
+from fedfdp.seeding import RandomSource
 
 MODEL_RELEASE = "model"
 """Kind of a DP event that privatises a model update (counted in every accounting mode)."""
@@ -65,7 +66,7 @@ class LocalBatch:
     clip_rule: ClipRule | None = None
     noise_std: float = 0.0
     denominator: float = 1.0
-    generator: torch.Generator | None = None
+    generator: RandomSource | None = None
     loss_scale: Callable[[Tensor], Tensor] | None = None
     grad_transform: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None
 
@@ -78,6 +79,8 @@ class StepOutput:
     batch_size: int
     negative_fraction: float = 0.0
     clipped_fraction: float = 0.0
+    factor_quantiles: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """5th, 50th and 95th percentile of the per-sample clip factors ``s_j`` of a private step."""
 
 
 @dataclass

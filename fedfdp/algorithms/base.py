@@ -13,6 +13,7 @@ from torch import Tensor
 
 from fedfdp.aggregate import weighted_mean
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class Algorithm:
 
     # ---- client half ------------------------------------------------------------------------
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: torch.Generator) -> ClientUpdate:
+                     generator: RandomSource) -> ClientUpdate:
         """Train ``client`` (holding ``w_t``) on ``data``; return the upload."""
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
-from fedfdp.seeding import poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
 
 
@@ -68,10 +68,11 @@ class DPFedAvg(Algorithm):
                                         sample_rate=self.sample_rate, steps=self.local_steps))]
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: torch.Generator) -> ClientUpdate:
+                     generator: RandomSource) -> ClientUpdate:
         """``local_steps`` private steps, each on a fresh Poisson batch."""
         rule = self.clip_rule(context)
-        stats = {"batch_size": 0.0, "negative_fraction": 0.0, "clipped_fraction": 0.0, "train_loss": 0.0}
+        stats = dict.fromkeys(["batch_size", "negative_fraction", "clipped_fraction", "train_loss",
+                               "factor_p05", "factor_p50", "factor_p95"], 0.0)
         for _ in range(self.local_steps):
             mask = poisson_mask(data.size, self.sample_rate, generator)
             x, y = data.x[mask], data.y[mask]
@@ -85,5 +86,7 @@ class DPFedAvg(Algorithm):
             stats["negative_fraction"] += out.negative_fraction / self.local_steps
             stats["clipped_fraction"] += out.clipped_fraction / self.local_steps
             stats["train_loss"] += out.loss / self.local_steps
+            for key, value in zip(("factor_p05", "factor_p50", "factor_p95"), out.factor_quantiles):
+                stats[key] += value / self.local_steps
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
                             dp_events=self.planned_dp_events(data.client_id, data.size), diagnostics=stats)

@@ -11,7 +11,7 @@ from torch import Tensor
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.errors import require
-from fedfdp.seeding import poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask, randperm
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
 
 LocalMode = Literal["epoch", "poisson_batch"]
@@ -44,14 +44,14 @@ class FedAvg(Algorithm):
         self.local_mode = local_mode
         self.sample_rate = sample_rate
 
-    def local_batches(self, data: ClientData, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
+    def local_batches(self, data: ClientData, generator: RandomSource) -> Iterator[tuple[Tensor, Tensor]]:
         """The round's local mini-batches (seeded by ``generator``)."""
         if self.local_mode == "poisson_batch":
             mask = poisson_mask(data.size, self.sample_rate, generator)
             yield data.x[mask], data.y[mask]
             return
         for _ in range(self.local_epochs):
-            order = torch.randperm(data.size, generator=generator, device=generator.device)
+            order = randperm(data.size, generator)
             for start in range(0, data.size, self.batch_size):
                 idx = order[start:start + self.batch_size]
                 yield data.x[idx], data.y[idx]
@@ -61,7 +61,7 @@ class FedAvg(Algorithm):
         return None
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: torch.Generator) -> ClientUpdate:
+                     generator: RandomSource) -> ClientUpdate:
         """Local SGD from ``w_t`` over :meth:`local_batches`."""
         scale = self.loss_scale(context)
         losses = []

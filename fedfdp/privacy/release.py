@@ -10,11 +10,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from fedfdp.seeding import RandomSource, randn
+
 NormalizeBy = Literal["expected", "realized", "constant"]
 LossClipRule = Literal["paper_adaptive", "fixed", "scaled_adaptive", "floor"]
 
 
-def add_gaussian_noise(sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
+def add_gaussian_noise(sums: list[Tensor], std: float, generator: RandomSource) -> list[Tensor]:
     """Gaussian mechanism on a sum: ``Σ_j s_j g_j + N(0, std² I)`` with ``std = σC`` (Eq. 12).
 
     Noise is drawn even when the batch was empty, as the sampled Gaussian mechanism assumes
@@ -22,8 +24,7 @@ def add_gaussian_noise(sums: list[Tensor], std: float, generator: torch.Generato
     """
     if std == 0.0:
         return sums
-    return [s + std * torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype)
-            for s in sums]
+    return [s + std * randn(s.shape, generator, dtype=s.dtype, device=s.device) for s in sums]
 
 
 def batch_denominator(mode: NormalizeBy, *, sample_rate: float, dataset_size: int,
@@ -46,14 +47,14 @@ def clipped_loss_sum(losses: Tensor, bound: float) -> Tensor:
 
 
 def noisy_loss_release(losses: Tensor, *, bound: float, noise_multiplier: float, denominator: float,
-                       generator: torch.Generator) -> float:
+                       generator: RandomSource) -> float:
     """FedFDP's private loss upload (J Eq. 14, Alg. 2 lines 16-19; spec §1.2 (b)).
 
     ``F̃_i = (Σ_j min(C_l, max(0, ℓ_j)) + N(0, (σ_l C_l)²)) / n``, one Poisson-sampled Gaussian
     mechanism with sensitivity ``C_l`` and noise multiplier ``σ_l``.
     """
     total = clipped_loss_sum(losses, bound).double()
-    noise = torch.randn((), generator=generator, dtype=torch.float64, device=losses.device)
+    noise = randn((), generator, dtype=torch.float64, device=losses.device)
     return float((total + noise_multiplier * bound * noise) / denominator)
 
 

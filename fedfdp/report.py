@@ -1,0 +1,214 @@
+"""Run reports: ``report.md`` with PNG plots from a run directory, or a comparison of several runs.
+
+Usage::
+
+    python -m fedfdp.report RUN_DIR                      # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
+    python -m fedfdp.report RUN_A RUN_B ... --out DIR    # comparison: one plot per metric, one line per run
+
+A run directory holds ``metrics.csv`` (one row per round, written by Lightning's CSVLogger) and
+``summary.json`` (written by :class:`callbacks.RunSummary`). Every run writes its report at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SERIES = {  # metric -> (title, y label, log scale)
+    "accuracy": ("Pooled test accuracy of the global model", "accuracy", False),
+    "psi_paper": ("Ψ: weighted variance of client test losses (Eq. 2)", "Ψ", True),
+    "accuracy_worst": ("Worst-client test accuracy", "accuracy", False),
+    "epsilon": ("Privacy spent ε (max over clients)", "ε", False),
+    "broadcast_loss": ("Broadcast loss F̄_t", "loss", False),
+    "client_factor_p50": ("Median fair-clip factor", "factor", False),
+}
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per-metric ``[(round, value)]`` from ``metrics.csv`` (empty cells skipped)."""
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return {}
+    series: dict[str, list[tuple[int, float]]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0)) + 1  # round t's metrics are logged at step t - 1
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in ("", None):
+                    continue
+                series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 9})
+    return plt
+
+
+def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[int, float]]], log: bool) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for label, points in lines.items():
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 40 else None,
+                    label=label)
+    positive = all(p[1] > 0 for pts in lines.values() for p in pts)
+    if log and positive:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel="round", ylabel=ylabel)
+    if len(lines) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _client_bars(path: Path, summary: dict[str, Any]) -> None:
+    plt = _plt()
+    acc = summary["clients"]["accuracy"]
+    sizes = summary["clients"]["train_size"]
+    order = sorted(range(len(acc)), key=lambda i: acc[i])
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.bar(range(len(acc)), [acc[i] for i in order], color=["#c0392b" if k < max(1, len(acc) // 10) else "#2e86c1"
+                                                            for k in range(len(acc))])
+    ax.set_xticks(range(len(acc)), [f"{i}\n(n={sizes[i]})" for i in order], fontsize=6)
+    ax.axhline(summary["final"]["accuracy"], color="k", ls="--", lw=1, label="pooled accuracy")
+    ax.set(title=f"Per-client test accuracy after round {summary['rounds_run']} (sorted; worst in red)",
+           xlabel="client (train size)", ylabel="accuracy", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _factor_plot(path: Path, metrics: dict[str, list[tuple[int, float]]]) -> bool:
+    keys = ["client_factor_p05", "client_factor_p50", "client_factor_p95"]
+    if not all(k in metrics for k in keys):
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    rounds = [p[0] for p in metrics["client_factor_p50"]]
+    ax.fill_between(rounds, [p[1] for p in metrics["client_factor_p05"]], [p[1] for p in metrics["client_factor_p95"]],
+                    alpha=0.3, label="5th-95th percentile")
+    ax.plot(rounds, [p[1] for p in metrics["client_factor_p50"]], label="median")
+    if "client_negative_fraction" in metrics:
+        ax2 = ax.twinx()
+        ax2.plot(rounds, [p[1] for p in metrics["client_negative_fraction"]], color="#c0392b", lw=0.8,
+                 label="fraction negative")
+        ax2.set_ylabel("fraction of negative coefficients", color="#c0392b")
+    ax.set(title="Distribution of per-sample clip factors s_j over rounds", xlabel="round", ylabel="s_j")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write ``report.md`` and ``plots/*.png`` for one run directory; returns the report path."""
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"{run_dir} has no summary.json (not a fedfdp run directory, or no evaluation yet)")
+    summary = json.loads(summary_path.read_text())
+    metrics = read_metrics(run_dir)
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    images: list[tuple[str, str]] = []
+    for key, (title, ylabel, log) in SERIES.items():
+        if key in metrics:
+            _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log)
+            images.append((title, f"plots/{key}.png"))
+    _client_bars(plots / "clients.png", summary)
+    images.append(("Per-client accuracy", "plots/clients.png"))
+    if _factor_plot(plots / "clip_factors.png", metrics):
+        images.append(("Clip factors", "plots/clip_factors.png"))
+    final = summary["final"]
+    lines = [f"# Run report: {run_dir.name}", "",
+             f"Algorithm **{summary['algorithm']}**, {summary['num_clients']} clients, "
+             f"{summary['rounds_run']} of {summary['rounds_planned']} planned rounds.", "",
+             "| metric | value |", "|---|---|",
+             f"| pooled test accuracy (final) | {final['accuracy']:.4f} |",
+             f"| best pooled accuracy (round) | {summary['best_accuracy']:.4f} ({summary['best_accuracy_round']}) |",
+             f"| Ψ paper (global model, client test splits) | {final['psi_paper']:.4g} |",
+             f"| Ψ train (global model, client train splits) | {_fmt(final.get('psi_train_global'))} |",
+             f"| client accuracy: mean / std / worst / worst 10% | {final['accuracy_mean']:.4f} / "
+             f"{final['accuracy_std']:.4f} / {final['accuracy_worst']:.4f} / {final['accuracy_worst10']:.4f} |",
+             f"| Jain's index of client accuracy | {final['accuracy_jain']:.4f} |"]
+    if "epsilon" in summary:
+        lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
+                     f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
+    lines.append(f"| seconds per round / peak memory | {_fmt(summary.get('seconds_per_round'))} s / "
+                 f"{summary['peak_memory_mb']:.0f} MB |")
+    lines.append("")
+    for title, rel in images:
+        lines += [f"## {title}", "", f"![{title}]({rel})", ""]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def write_comparison(run_dirs: list[Path], out: Path) -> Path:
+    """One plot per metric with one line per run, plus a markdown table of final values."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {_label(d, run_dirs): (read_metrics(d), json.loads((d / "summary.json").read_text())) for d in run_dirs}
+    lines = ["# Run comparison", "", "| run | algorithm | rounds | accuracy | Ψ paper | worst client | ε |",
+             "|---|---|---|---|---|---|---|"]
+    for label, (_, s) in runs.items():
+        f = s["final"]
+        lines.append(f"| {label} | {s['algorithm']} | {s['rounds_run']} | {f['accuracy']:.4f} | {f['psi_paper']:.4g} "
+                     f"| {f['accuracy_worst']:.4f} | {_fmt(s.get('epsilon'))} |")
+    lines.append("")
+    for key, (title, ylabel, log) in SERIES.items():
+        series = {label: m[key] for label, (m, _) in runs.items() if key in m}
+        if series:
+            _line_plot(out / f"{key}.png", title, ylabel, series, log)
+            lines += [f"## {title}", "", f"![{title}]({key}.png)", ""]
+    report = out / "comparison.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def _label(run_dir: Path, all_dirs: list[Path]) -> str:
+    names = [d.name for d in all_dirs]
+    return run_dir.name if names.count(run_dir.name) == 1 else f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m fedfdp.report``."""
+    parser = argparse.ArgumentParser(prog="python -m fedfdp.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (each with summary.json)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder of a comparison of several runs")
+    args = parser.parse_args(argv)
+    try:
+        if len(args.run_dirs) == 1 and args.out is None:
+            print(write_report(args.run_dirs[0]))
+        else:
+            print(write_comparison(args.run_dirs, args.out or Path("comparison")))
+    except (FileNotFoundError, KeyError, json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
