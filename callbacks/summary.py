@@ -118,16 +118,24 @@ class RunSummary(FederationCallback):
 
 
 class ClientTableLogger(FederationCallback):
-    """Logs a per-client table (size, accuracy, loss) to every W&B logger at each evaluation."""
+    """Logs a per-client table (size, accuracy, loss) and a bar chart of client accuracy to W&B."""
 
     def on_evaluate(self, trainer: Trainer, federation: Federation, result: EvaluationResult,
                     metrics: dict[str, Any]) -> None:
-        """One W&B table row per client."""
+        """One W&B table row per client, plus ``wandb.plot.bar`` of the accuracies."""
         from lightning.pytorch.loggers import WandbLogger  # wandb is only needed when used
 
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if not loggers:
+            return
+        import wandb
+
+        columns = ["client", "train_size", "accuracy", "loss"]
         rows = [[cid, int(w), float(a), float(l)] for cid, (w, a, l) in
                 enumerate(zip(result.weights.tolist(), result.client_accuracy.tolist(), result.client_loss.tolist()))]
-        for lg in trainer.loggers:
-            if isinstance(lg, WandbLogger):
-                lg.log_table(key="clients", columns=["client", "train_size", "accuracy", "loss"], data=rows,
-                             step=trainer.global_step)
+        for lg in loggers:
+            table = wandb.Table(columns=columns, data=rows)
+            lg.experiment.log({"clients": table,
+                               "client_accuracy": wandb.plot.bar(table, "client", "accuracy",
+                                                                 title=f"Client accuracy, round {result.round}")},
+                              step=trainer.global_step)

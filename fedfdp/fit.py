@@ -70,6 +70,8 @@ class FedFDPCLI(LightningCLI):
         parser.add_argument("--wandb", type=str, default="auto",
                             help="W&B mode: auto (online with an API key, else offline), online, offline, disabled")
         parser.add_argument("--wandb_project", type=str, default="fedfdp", help="W&B project")
+        parser.add_argument("--wandb_group", type=str | None, default=None,
+                            help="W&B group of runs of one experiment (default: the config file name)")
         parser.link_arguments("seed_everything", "model.seed")
 
     def _run_dir(self) -> Path:
@@ -119,8 +121,10 @@ class FedFDPCLI(LightningCLI):
             from lightning.pytorch.loggers import WandbLogger
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            loggers.append(WandbLogger(project=self.config["wandb_project"], save_dir=str(run_dir),
-                                       name=run_dir.name, mode=mode, id=_wandb_run_id(run_dir)))
+            configs = self.config.get("config") or []
+            group = self.config.get("wandb_group") or (Path(str(configs[-1])).stem if configs else None)
+            loggers.append(WandbLogger(project=self.config["wandb_project"], save_dir=str(run_dir), group=group,
+                                       name=run_dir.name, mode=mode, id=_wandb_run_id(run_dir), resume="allow"))
             logger.info("W&B logging in %s mode", mode)
         return loggers
 
@@ -165,6 +169,18 @@ def _configure_logging() -> None:
     warnings.filterwarnings("ignore", message=".*your dataloader is not resumable")
 
 
+def _fedfdp_cause(err: BaseException) -> FedFDPError | None:
+    """The :class:`FedFDPError` that caused ``err`` (itself, or along its cause/context chain)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, FedFDPError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _one_line(message: str) -> str:
     """jsonargparse's multi-line messages as one line; class-path errors list the shipped classes."""
     line = " ".join(part.strip(" -") for part in message.strip().splitlines() if part.strip(" -"))
@@ -182,10 +198,13 @@ def main(args: list[str] | None = None) -> int:
         cli = build_cli(args)
         ckpt = cli.config.get("ckpt_path")
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
-    except FedFDPError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # jsonargparse parse errors: keep them to one line
+    except Exception as err:
+        # jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data)
+        # in its own ValueError: report the FedFDPError inside, or the parse error, as one line.
+        cause = _fedfdp_cause(err)
+        if cause is not None:
+            print(f"error: {cause}", file=sys.stderr)
+            return 2
         if type(err).__name__ == "ArgumentError":
             print(f"error: {_one_line(str(err))}", file=sys.stderr)
             return 2
