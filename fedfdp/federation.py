@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_PROGRESS_BAR_KEYS = ("accuracy", "epsilon")
 
 
 def _server_sgd(params: Any) -> torch.optim.Optimizer:
@@ -252,12 +251,16 @@ class Federation(LightningModule):
         self._call("on_round_end", context, updates, metrics)
         self._round_seconds.append(time.perf_counter() - start)
         metrics["round_seconds"] = self._round_seconds[-1]
+        for key, value in metrics.items():
+            self.log(key, float(value), prog_bar=key == "epsilon", on_step=True, on_epoch=False)
         rounds_done = round_idx + 1
         if rounds_done % self.eval_every == 0 or rounds_done >= self.total_rounds:
-            metrics.update(self.evaluate(rounds_done))
-        shown = {k: float(v) for k, v in metrics.items() if k in _PROGRESS_BAR_KEYS}
-        self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False)
-        self.log_dict({k: float(v) for k, v in metrics.items() if k not in shown}, on_step=True, on_epoch=False)
+            evaluation = {k: float(v) for k, v in self.evaluate(rounds_done).items()}
+            # Straight to the loggers: Lightning's self.log would repeat these values on every later
+            # round until the next evaluation. The progress bar shows the latest accuracy.
+            for lg in self.loggers:
+                lg.log_metrics(evaluation, step=round_idx)
+            self.log("accuracy", evaluation["accuracy"], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def evaluate(self, rounds_done: int) -> dict[str, float]:
         """Each client's evaluation model on its test (and train) split; fires ``on_evaluate``."""
