@@ -48,6 +48,20 @@ def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+EVAL_KEYS = ("accuracy", "psi_paper", "accuracy_worst")
+
+
+def read_series(run_dir: Path, summary: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """Per-round metrics from ``metrics.csv``; evaluation metrics from the summary's history."""
+    series = read_metrics(run_dir)
+    history = summary.get("history") or []
+    for key in EVAL_KEYS:
+        points = [(int(h["round"]), float(h[key])) for h in history if key in h]
+        if points:
+            series[key] = points
+    return series
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -124,7 +138,7 @@ def write_report(run_dir: str | Path) -> Path:
     if not summary_path.exists():
         raise FileNotFoundError(f"{run_dir} has no summary.json (not a fedfdp run directory, or no evaluation yet)")
     summary = json.loads(summary_path.read_text())
-    metrics = read_metrics(run_dir)
+    metrics = read_series(run_dir, summary)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     images: list[tuple[str, str]] = []
@@ -164,7 +178,8 @@ def write_report(run_dir: str | Path) -> Path:
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     """One plot per metric with one line per run, plus a markdown table of final values."""
     out.mkdir(parents=True, exist_ok=True)
-    runs = {_label(d, run_dirs): (read_metrics(d), json.loads((d / "summary.json").read_text())) for d in run_dirs}
+    summaries = {d: json.loads((d / "summary.json").read_text()) for d in run_dirs}
+    runs = {_label(d, run_dirs): (read_series(d, summaries[d]), summaries[d]) for d in run_dirs}
     lines = ["# Run comparison", "", "| run | algorithm | rounds | accuracy | Ψ paper | worst client | ε |",
              "|---|---|---|---|---|---|---|"]
     for label, (_, s) in runs.items():
