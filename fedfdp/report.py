@@ -53,7 +53,8 @@ EVAL_KEYS = ("accuracy", "psi_paper", "accuracy_worst")
 
 def read_series(run_dir: Path, summary: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """Per-round metrics from ``metrics.csv``; evaluation metrics from the summary's history."""
-    series = read_metrics(run_dir)
+    last = int(summary.get("rounds_run") or 0)
+    series = {k: [p for p in v if p[0] <= last] for k, v in read_metrics(run_dir).items()}
     history = summary.get("history") or []
     for key in EVAL_KEYS:
         points = [(int(h["round"]), float(h[key])) for h in history if key in h]
@@ -72,7 +73,8 @@ def _plt() -> Any:
     return plt
 
 
-def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[int, float]]], log: bool) -> None:
+def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[int, float]]], log: bool,
+               hline: tuple[float, str] | None = None) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for label, points in lines.items():
@@ -82,6 +84,9 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[
     positive = all(p[1] > 0 for pts in lines.values() for p in pts)
     if log and positive:
         ax.set_yscale("log")
+    if hline is not None:
+        ax.axhline(hline[0], color="#c0392b", ls="--", lw=1, label=hline[1])
+        ax.legend(fontsize=7)
     ax.set(title=title, xlabel="round", ylabel=ylabel)
     if len(lines) > 1:
         ax.legend(fontsize=7)
@@ -144,7 +149,9 @@ def write_report(run_dir: str | Path) -> Path:
     images: list[tuple[str, str]] = []
     for key, (title, ylabel, log) in SERIES.items():
         if key in metrics:
-            _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log)
+            target = summary.get("target_epsilon") if key == "epsilon" else None
+            _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log,
+                       hline=(target, f"target ε = {target}") if target else None)
             images.append((title, f"plots/{key}.png"))
     _client_bars(plots / "clients.png", summary)
     images.append(("Per-client accuracy", "plots/clients.png"))
