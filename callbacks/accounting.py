@@ -9,6 +9,7 @@ release) are charged before the server aggregates. The reported ε is the maximu
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch import LightningModule, Trainer
@@ -58,6 +59,7 @@ class RDPAccounting(FederationCallback):
         self.orders = PAPER_ORDERS if orders == "paper" else OPACUS_DEFAULT_ORDERS
         self.accounting_mode = accounting_mode
         self.rounds_rule = rounds_rule
+        self.unbounded = False  # a release without noise happened: ε is infinite
         self.ledgers: dict[int, PrivacyLedger] = {}           # every release
         self.budget_ledgers: dict[int, PrivacyLedger] = {}    # releases counted by accounting_mode
 
@@ -73,7 +75,9 @@ class RDPAccounting(FederationCallback):
         return store[client_id]
 
     def epsilon(self) -> float:
-        """ε spent so far (all releases), maximum over clients."""
+        """ε spent so far (all releases), maximum over clients (inf after a noiseless release)."""
+        if self.unbounded:
+            return math.inf
         return max((ledger.epsilon(self.delta) for ledger in self.ledgers.values()), default=0.0)
 
     def budgeted_epsilon(self) -> float:
@@ -120,6 +124,9 @@ class RDPAccounting(FederationCallback):
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:
         """Charge each upload's events to its client's ledgers."""
+        if getattr(federation.algorithm, "noise_multiplier", None) == 0 and not self.unbounded:
+            logger.warning("noise_multiplier is 0: model updates are released without noise, epsilon is infinite")
+            self.unbounded = True
         for update in updates:
             for _, event in update.dp_events:
                 self._ledger(self.ledgers, update.client_id).record(event)
@@ -136,11 +143,13 @@ class RDPAccounting(FederationCallback):
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every ledger's history (a resumed run continues, never resets, the accountant)."""
-        return {"ledgers": {cid: led.state_dict() for cid, led in self.ledgers.items()},
+        return {"unbounded": self.unbounded,
+                "ledgers": {cid: led.state_dict() for cid, led in self.ledgers.items()},
                 "budget_ledgers": {cid: led.state_dict() for cid, led in self.budget_ledgers.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the ledgers."""
+        self.unbounded = bool(state_dict.get("unbounded", False))
         for key, store in (("ledgers", self.ledgers), ("budget_ledgers", self.budget_ledgers)):
             store.clear()
             for cid, led_state in state_dict[key].items():
