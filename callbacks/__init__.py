@@ -2,8 +2,12 @@
 
 from callbacks.accounting import RDPAccounting
 from callbacks.base import FederationCallback
+from callbacks.cluster_metrics import ClusterMetrics
+from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
 from callbacks.loss_reporting import LossReporting, NoisyLossReporting
+from callbacks.mia import MembershipInferenceAudit
+from callbacks.sia import SourceInferenceAudit
 from callbacks.summary import ClientTableLogger, RunSummary
 
-__all__ = ["ClientTableLogger", "FederationCallback", "LossReporting", "NoisyLossReporting", "RDPAccounting",
-           "RunSummary"]
+__all__ = ["ClientTableLogger", "ClusterMetrics", "FederationCallback", "LossReporting", "NoisyLossReporting", "RDPAccounting",
+           "RunSummary", "MembershipInferenceAudit", "SourceInferenceAudit", "GlobalLossReporting", "NoisyGlobalLossReporting"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from datamodules.cifar10 import CIFAR10DataModule
 from datamodules.federated import FederatedDataModule
+from datamodules.har import HARDataModule, SyntheticHARDataModule
 from datamodules.idx import IDX_DATASETS, find_idx_files, load_idx_dataset, read_idx
 from datamodules.mnist import FashionMNISTDataModule, MNISTDataModule
 from datamodules.partition import (
@@ -12,8 +14,23 @@ from datamodules.partition import (
     train_test_split_indices,
 )
 from datamodules.synthetic import SyntheticDataModule
+from datamodules.clustered import (
+    ClusteredCIFAR10DataModule,
+    ClusteredDataModule,
+    ClusteredDigitsDataModule,
+    ClusteredFashionMNISTDataModule,
+    ClusteredMNISTDataModule,
+)
 
 __all__ = [
+    "ClusteredCIFAR10DataModule",
+    "ClusteredDataModule",
+    "ClusteredDigitsDataModule",
+    "ClusteredFashionMNISTDataModule",
+    "ClusteredMNISTDataModule",
+    "CIFAR10DataModule",
+    "HARDataModule",
+    "SyntheticHARDataModule",
     "IDX_DATASETS",
     "FashionMNISTDataModule",
     "FederatedDataModule",

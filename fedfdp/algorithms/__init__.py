@@ -5,5 +5,20 @@ from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.algorithms.fedfair import FedFair
 from fedfdp.algorithms.fedfdp import FedFDP
+from fedfdp.algorithms.finp import DPFinP, FinP
+from fedfdp.algorithms.alidpfl import ALIDPFL
+from fedfdp.algorithms.client_state import ClientStateStore
+from fedfdp.algorithms.ditto import DPDitto, Ditto
+from fedfdp.algorithms.feddyn import DPFedDyn, FedDyn
+from fedfdp.algorithms.fedprox import DPFedProx, FedProx
+from fedfdp.algorithms.qffl import DPQFFL, QFFL
+from fedfdp.algorithms.scaffold import DPScaffold, Scaffold
+from fedfdp.algorithms.clustered import ClusteredDPFL, LocalDPSGD, OracleCDPFL
+from fedfdp.algorithms.ifca import IFCA
+from fedfdp.algorithms.kmcdpfl import KMCDPFL
+from fedfdp.algorithms.rcdpfl import RCDPFL
 
-__all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP"]
+__all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFinP",
+           "ALIDPFL", "ClientStateStore", "DPDitto", "DPFedDyn", "DPFedProx", "DPQFFL", "DPScaffold",
+           "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold",
+           "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]

@@ -1,5 +1,8 @@
 """Models shipped with fedfdp (any ``nn.Module`` without BatchNorm works)."""
 
+from fedfdp.models.cluster_cnn import RCDPFLCNN, TinyCNN
 from fedfdp.models.cnn import MLP, FedAvgCNN
+from fedfdp.models.resnet import ResNetGN
+from fedfdp.models.tcn import TCN
 
-__all__ = ["FedAvgCNN", "MLP"]
+__all__ = ["FedAvgCNN", "MLP", "RCDPFLCNN", "ResNetGN", "TCN", "TinyCNN"]

@@ -1,0 +1,58 @@
+"""Per-client algorithm state (control variates, gradient memory, personal models).
+
+A :class:`ClientStateStore` maps ``client id → name → tensor``. Entries are created lazily the
+first time a client needs them, so memory is spent only on clients that have state (a client
+that never trained costs nothing), and the whole store is part of the algorithm's
+``state_dict`` and therefore of every Lightning checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class ClientStateStore:
+    """Lazily created per-client tensors with ``state_dict``/``load_state_dict``."""
+
+    def __init__(self) -> None:
+        self._state: dict[int, dict[str, Tensor]] = {}
+
+    def has(self, client_id: int, name: str) -> bool:
+        """Whether ``client_id`` already holds ``name``."""
+        return name in self._state.get(client_id, {})
+
+    def get(self, client_id: int, name: str, default: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """The stored tensor; if absent, ``default()`` is stored and returned (None: nothing stored)."""
+        entry = self._state.get(client_id, {})
+        if name in entry:
+            return entry[name]
+        if default is None:
+            return None
+        value = default()
+        self.set(client_id, name, value)
+        return value
+
+    def set(self, client_id: int, name: str, value: Tensor) -> None:
+        """Store a detached copy-free reference to ``value`` for ``client_id``."""
+        self._state.setdefault(client_id, {})[name] = value.detach()
+
+    def clients(self) -> list[int]:
+        """Client ids that hold any state."""
+        return sorted(self._state)
+
+    def num_bytes(self) -> int:
+        """Memory held by the stored tensors."""
+        return sum(t.numel() * t.element_size() for entry in self._state.values() for t in entry.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{client_id: {name: tensor}}`` (CPU copies, for checkpoints)."""
+        return {cid: {k: v.detach().cpu().clone() for k, v in entry.items()} for cid, entry in self._state.items()}
+
+    def load_state_dict(self, state: dict[Any, dict[str, Tensor]], device: torch.device | str | None = None) -> None:
+        """Replace the store's content with ``state``."""
+        self._state = {int(cid): {k: (v.to(device) if device is not None else v.clone()) for k, v in entry.items()}
+                       for cid, entry in state.items()}

@@ -1,0 +1,366 @@
+"""Clustered DP federated learning: M cluster models trained by local DP-SGD (RC-DPFL spec §1, §6).
+
+:class:`ClusteredDPFL` is the shared machinery of RC-DPFL and its clustered baselines:
+
+* **State** (checkpointed by :meth:`state_dict`): the cluster models ``θ_1..θ_M`` (an ``M × p``
+  tensor) and every client's assignment ``R(i)``.
+* **Client half**: client i starts from ``θ_{R(i)}`` (:meth:`client_start_params`), optionally
+  re-selects its cluster (:meth:`_select`, IFCA / RC-DPFL stage C), then runs K local epochs of
+  DP-SGD (spec §1.2): ``⌊N_i/b⌋`` steps per epoch on Poisson batches of rate ``q = b/N_i``,
+  per-sample flat clipping at c, ``N(0, (c z_i)² I)`` on the clipped sum, division by the
+  expected batch size ``b``. A full-batch round (RC-DPFL round 1, q = 1) accumulates the clipped
+  sum over physical chunks and draws the noise once per epoch (Appendix E).
+* **Server half**: ``θ_m ← Σ_{i∈S_m} (N_i / Σ_{j∈S_m} N_j) θ_i`` over the clients that trained
+  cluster m this round (= ``θ_m + Σ w_i Δ_i``; an empty cluster keeps its model).
+  :meth:`aggregate` returns the ``N_i``-weighted mean of *all* uploads as the federation's
+  "global" model: a diagnostic only, never evaluated (evaluation uses one group per cluster).
+* **Privacy**: one noise multiplier z_i per client for the whole run, either given or calibrated
+  in :meth:`setup` so that the full schedule (:meth:`planned_schedule`) meets the target ε at
+  the accountant's δ (:mod:`fedfdp.privacy.schedule`). The schedule is round-dependent, so
+  :meth:`planned_dp_events` returns the events of the round configured last.
+
+Subclasses in this module: :class:`OracleCDPFL` (true clusters known) and :class:`LocalDPSGD`
+(one model per client); RC-DPFL, IFCA and KM-CDPFL live in their own modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.utils import parameters_to_vector
+
+from callbacks.accounting import RDPAccounting
+from fedfdp.aggregate import weighted_mean
+from fedfdp.algorithms.base import Algorithm
+from fedfdp.errors import require
+from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.privacy.clipping import FlatClip
+from fedfdp.privacy.release import add_gaussian_noise
+from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
+from fedfdp.seeding import poisson_mask
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
+
+if TYPE_CHECKING:
+    from fedfdp.client import ClientModule
+    from fedfdp.federation import Federation
+
+logger = logging.getLogger(__name__)
+
+SELECTION_RELEASE = "selection"
+"""Kind of the DP event of a private cluster selection (exponential mechanism)."""
+
+Selection = Literal["private", "loss"]
+
+
+class ClusteredDPFL(Algorithm):
+    """M cluster models, local DP-SGD, size-weighted per-cluster averaging (base class).
+
+    Args:
+        num_clusters: M, the number of cluster models.
+        lr: local learning rate η_l.
+        batch_size: expected Poisson batch size b (q = b/N_i) of the normal rounds.
+        local_epochs: K local epochs per round (⌊N_i/b⌋ steps each).
+        max_grad_norm: per-sample clip bound c.
+        noise_multiplier: z for every client; null calibrates z_i per client in ``setup`` from
+            ``target_epsilon`` over the whole schedule of ``model.num_rounds`` rounds.
+        target_epsilon: ε the calibration aims at (null: the RDPAccounting callback's target).
+        physical_batch_size: chunk size of the full-batch gradient accumulation and of the
+            loss evaluations (memory only; results do not depend on it).
+    """
+
+    required_callbacks = (RDPAccounting,)
+    full_batch_first_round: ClassVar[bool] = False
+
+    def __init__(self, *, num_clusters: int = 4, lr: float = 0.1, batch_size: int = 16, local_epochs: int = 1,
+                 max_grad_norm: float = 1.0, noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, physical_batch_size: int = 256) -> None:
+        require(num_clusters >= 1, f"algorithm.num_clusters must be >= 1, got {num_clusters}")
+        require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
+        require(batch_size >= 1, f"algorithm.batch_size must be >= 1, got {batch_size}")
+        require(local_epochs >= 1, f"algorithm.local_epochs must be >= 1, got {local_epochs}")
+        require(max_grad_norm > 0, f"algorithm.max_grad_norm must be > 0, got {max_grad_norm}")
+        require(noise_multiplier is None or noise_multiplier > 0,
+                f"algorithm.noise_multiplier must be > 0 or null, got {noise_multiplier}")
+        require(target_epsilon is None or target_epsilon > 0,
+                f"algorithm.target_epsilon must be > 0 or null, got {target_epsilon}")
+        require(physical_batch_size >= 1, f"algorithm.physical_batch_size must be >= 1, got {physical_batch_size}")
+        self.num_clusters = num_clusters
+        self.lr, self.batch_size, self.local_epochs = lr, batch_size, local_epochs
+        self.max_grad_norm, self.noise_multiplier, self.target_epsilon = max_grad_norm, noise_multiplier, target_epsilon
+        self.physical_batch_size = physical_batch_size
+        self.selection: Selection | None = None  # set by algorithms that select clusters by loss
+        self.selection_epsilon: float | None = None
+        self.selection_rounds: int | None = None
+        self.cluster_models = torch.zeros(0)
+        self.assignment = np.zeros(0, dtype=np.int64)
+        self.noise_multipliers = np.zeros(0)
+        self.planned_epsilon: float | None = None
+        self.seed, self.num_rounds = 0, 0
+        self._round: int | None = None
+
+    # ---- set-up and privacy planning ------------------------------------------------------------
+    def _init_selection(self, selection: Selection, selection_epsilon: float | None,
+                        selection_rounds: int | None) -> None:
+        require(selection in ("private", "loss"), f"algorithm.selection must be 'private' or 'loss', got {selection!r}")
+        require(selection_epsilon is None or selection_epsilon > 0,
+                f"algorithm.selection_epsilon must be > 0 or null, got {selection_epsilon}")
+        require(selection_rounds is None or selection_rounds >= 1,
+                f"algorithm.selection_rounds must be >= 1 or null, got {selection_rounds}")
+        self.selection, self.selection_epsilon, self.selection_rounds = selection, selection_epsilon, selection_rounds
+
+    @property
+    def dp_valid(self) -> bool:
+        """False when cluster selections are released without privacy (selection='loss')."""
+        return self.selection != "loss"
+
+    def setup(self, federation: Federation) -> None:
+        """Fix the schedule, calibrate or check z_i against the budget, initialise the models."""
+        name = type(self).__name__
+        require(federation.num_rounds is not None,
+                f"model.num_rounds must be set for {name}: its privacy schedule is planned for a fixed round count")
+        self.num_rounds, self.seed = int(federation.num_rounds), int(federation.seed)
+        accountant = next(cb for cb in federation.federation_callbacks() if isinstance(cb, RDPAccounting))
+        target = self.target_epsilon if self.target_epsilon is not None else accountant.target_epsilon
+        if self.selection == "private":
+            if self.selection_epsilon is None:
+                require(target is not None, "algorithm.selection_epsilon must be set when no target_epsilon is given")
+                self.selection_epsilon = 0.03 * float(target)  # spec A6: ε_sel = 0.03 ε_total
+            if self.selection_rounds is None:
+                self.selection_rounds = max(1, self.num_rounds // 10)
+        sizes = [int(s) for s in federation.datamodule.train_sizes]
+        if self.noise_multiplier is None:
+            require(target is not None, "algorithm.target_epsilon (or RDPAccounting.target_epsilon) must be set "
+                                        "when algorithm.noise_multiplier is null")
+            by_size = {n: calibrate_noise_multiplier(lambda z, n=n: self.planned_schedule(z, n),
+                                                     target_epsilon=float(target), delta=accountant.delta,
+                                                     orders=accountant.orders) for n in set(sizes)}
+            self.noise_multipliers = np.array([by_size[n] for n in sizes])
+        else:
+            self.noise_multipliers = np.full(len(sizes), float(self.noise_multiplier))
+        self.planned_epsilon = max(epsilon_of(self.planned_schedule(float(z), n), accountant.delta, accountant.orders)
+                                   for z, n in zip(self.noise_multipliers, sizes))
+        for limit in (self.target_epsilon, accountant.target_epsilon):
+            require(limit is None or self.planned_epsilon <= limit + 1e-9,
+                    f"algorithm.noise_multiplier={self.noise_multiplier} spends epsilon={self.planned_epsilon:.4f} "
+                    f"over {self.num_rounds} rounds, over the target {limit}")
+        logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f at delta %g", name, self.noise_multipliers.min(),
+                    self.noise_multipliers.max(), self.planned_epsilon, accountant.delta)
+        initial = parameters_to_vector(federation.global_model.parameters()).detach()
+        self.cluster_models = self.initial_models(initial, federation)
+        self.assignment = self.initial_assignment(federation)
+
+    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
+        """``M × p`` initial cluster models: all equal to ``θ^init`` by default."""
+        return initial.unsqueeze(0).repeat(self.num_clusters, 1)
+
+    def initial_assignment(self, federation: Federation) -> np.ndarray:
+        """``R^1``: every client in cluster 0 by default (the models are equal)."""
+        return np.zeros(federation.num_clients, dtype=np.int64)
+
+    def is_full_batch(self, round_idx: int) -> bool:
+        """Whether round ``round_idx`` (0-based) trains on the full local batch (q = 1)."""
+        return self.full_batch_first_round and round_idx == 0
+
+    def selection_stage_start(self) -> int | None:
+        """First round with loss-based selection (None: none, or not known yet)."""
+        return None
+
+    def selects(self, round_idx: int) -> bool:
+        """Whether clients (re)select their cluster at the start of ``round_idx``."""
+        start = self.selection_stage_start()
+        if self.selection is None or start is None or round_idx < start:
+            return False
+        return self.selection == "loss" or round_idx < start + int(self.selection_rounds or 0)
+
+    def planned_schedule(self, noise_multiplier: float, dataset_size: int) -> list[DPEvent]:
+        """Every DP event of a whole run for a client of size ``dataset_size`` (for calibration)."""
+        def event(full: bool) -> DPEvent:
+            return dpsgd_round_event(noise_multiplier=noise_multiplier, dataset_size=dataset_size,
+                                     batch_size=self.batch_size, local_epochs=self.local_epochs, full_batch=full)
+        first = 1 if self.full_batch_first_round else 0
+        events = [event(True)] * first + [event(False).repeated(self.num_rounds - first)]
+        if self.selection == "private":
+            events.append(selection_event(float(self.selection_epsilon)).repeated(
+                min(int(self.selection_rounds or 0), self.num_rounds)))
+        return events
+
+    def round_events(self, round_idx: int | None, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
+        """The ``(kind, event)`` pairs client ``client_id`` spends in round ``round_idx``.
+
+        ``round_idx=None``: a normal round's training events only (no full batch, no selection).
+        """
+        z = float(self.noise_multipliers[client_id]) if len(self.noise_multipliers) else self.noise_multiplier
+        events = [(MODEL_RELEASE, dpsgd_round_event(noise_multiplier=float(z), dataset_size=dataset_size,
+                                                    batch_size=self.batch_size, local_epochs=self.local_epochs,
+                                                    full_batch=round_idx is not None
+                                                    and self.is_full_batch(round_idx)))]
+        if round_idx is not None and self.selection == "private" and self.selects(round_idx):
+            events.insert(0, (SELECTION_RELEASE, selection_event(float(self.selection_epsilon))))
+        return events
+
+    def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
+        """Events of the round configured last, so ``RDPAccounting``'s per-round guard projects the true round.
+
+        Before the first round (budget planning by ``RDPAccounting.max_rounds``, which assumes equal
+        rounds): a normal round's training events only, so that planning never cuts the run below
+        ``num_rounds``; the whole round-dependent schedule was checked against the target in ``setup``.
+        """
+        return self.round_events(self._round, client_id, dataset_size)
+
+    # ---- server half ----------------------------------------------------------------------------
+    def configure_round(self, round_idx: int) -> RoundContext:
+        """Remember the round (the DP events depend on it)."""
+        self._round = round_idx
+        return RoundContext(round=round_idx)
+
+    def client_start_params(self, client_id: int, global_params: Tensor, context: RoundContext) -> Tensor:
+        """``θ_{R(i)}``, the model of the client's assigned cluster."""
+        return self.cluster_models[int(self.assignment[client_id])]
+
+    def cluster_labels(self, updates: list[ClientUpdate], context: RoundContext) -> list[int] | None:
+        """Which cluster each upload is averaged into (None: keep every cluster model)."""
+        return [int(u.extras["cluster"]) for u in updates]
+
+    def update_clusters(self, updates: list[ClientUpdate], labels: list[int]) -> None:
+        """``θ_m ←`` size-weighted mean of the uploads labelled m; assignments follow the labels."""
+        for m in sorted(set(labels)):
+            members = [u for u, label in zip(updates, labels) if label == m]
+            self.cluster_models[m] = weighted_mean([u.params for u in members], [u.num_examples for u in members])
+        for u, label in zip(updates, labels):
+            self.assignment[u.client_id] = label
+
+    def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
+        """Per-cluster averaging; returns the size-weighted mean of all uploads (diagnostic "global")."""
+        labels = self.cluster_labels(updates, context)
+        if labels is not None:
+            self.update_clusters(updates, labels)
+        return weighted_mean([u.params for u in updates], [u.num_examples for u in updates])
+
+    def on_round_end(self, updates: list[ClientUpdate], context: RoundContext) -> dict[str, float]:
+        """Log how many clusters hold at least one client."""
+        return {"clusters_used": float(len(np.unique(self.assignment)))}
+
+    def evaluation_groups(self, global_params: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
+        """One group per non-empty cluster: its clients are evaluated with its model."""
+        return [(np.flatnonzero(self.assignment == m).tolist(), self.cluster_models[m])
+                for m in range(len(self.cluster_models)) if np.any(self.assignment == m)]
+
+    def cluster_assignment(self) -> np.ndarray:
+        """Every client's current cluster ``R(i)`` (a copy)."""
+        return self.assignment.copy()
+
+    # ---- client half ----------------------------------------------------------------------------
+    def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
+                     generator: torch.Generator) -> ClientUpdate:
+        """(Select a cluster,) then K epochs of DP-SGD from its model (full batch in a full-batch round)."""
+        cluster = int(self.assignment[data.client_id])
+        if self.selects(context.round):
+            cluster = self._select(client, data, generator)
+            client.set_flat_params(self.cluster_models[cluster])
+        std = float(self.noise_multipliers[data.client_id]) * self.max_grad_norm
+        if self.is_full_batch(context.round):
+            losses = [self._full_batch_step(client, data, std, generator) for _ in range(self.local_epochs)]
+        else:
+            losses = self._poisson_steps(client, data, std, generator)
+        return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
+                            dp_events=self.round_events(context.round, data.client_id, data.size),
+                            diagnostics={"train_loss": float(np.mean(losses)) if losses else 0.0},
+                            extras={"cluster": torch.tensor(cluster)})
+
+    def _poisson_steps(self, client: ClientModule, data: ClientData, std: float,
+                       generator: torch.Generator) -> list[float]:
+        q = min(1.0, self.batch_size / data.size)
+        rule, losses = FlatClip(self.max_grad_norm), []
+        for _ in range(self.local_epochs * steps_per_epoch(data.size, self.batch_size)):
+            mask = poisson_mask(data.size, q, generator)
+            out = client.training_step(LocalBatch(x=data.x[mask], y=data.y[mask], lr=self.lr, clip_rule=rule,
+                                                  noise_std=std, denominator=q * data.size, generator=generator))
+            losses.append(out.loss)
+        return losses
+
+    def _full_batch_step(self, client: ClientModule, data: ClientData, std: float, generator: torch.Generator) -> float:
+        """One DP-SGD step on all N_i samples: clipped sum accumulated chunk by chunk, one noise draw."""
+        rule, total, loss_sum = FlatClip(self.max_grad_norm), None, 0.0
+        for start in range(0, data.size, self.physical_batch_size):
+            result = client.engine.compute(data.x[start:start + self.physical_batch_size],
+                                           data.y[start:start + self.physical_batch_size])
+            part = result.weighted_sum(rule(result.losses, result.norms))
+            total = part if total is None else [a + b for a, b in zip(total, part)]
+            loss_sum += float(result.losses.sum())
+        noisy = add_gaussian_noise(total, std, generator)
+        with torch.no_grad():
+            for param, grad in zip(client.trainable_parameters(), noisy):
+                param.sub_(grad, alpha=self.lr / data.size)
+        return loss_sum / data.size
+
+    @torch.no_grad()
+    def _select(self, client: ClientModule, data: ClientData, generator: torch.Generator) -> int:
+        """The client's cluster: argmin of its train loss (``loss``) or the exponential mechanism (``private``).
+
+        Private: argmax_m of train accuracy in % plus Gumbel(0, 2·(100/(N_i − 1))/ε_sel) (spec A6).
+        """
+        losses, accuracies = [], []
+        for model in self.cluster_models:
+            client.set_flat_params(model)
+            loss, correct = 0.0, 0
+            for start in range(0, data.size, self.physical_batch_size):
+                x, y = data.x[start:start + self.physical_batch_size], data.y[start:start + self.physical_batch_size]
+                out = client.net(x)
+                loss += float(client.per_sample_loss(out, y).sum())
+                correct += int((out.argmax(1) == y).sum())
+            losses.append(loss / data.size)
+            accuracies.append(100.0 * correct / data.size)
+        if self.selection == "loss":
+            return int(np.argmin(losses))
+        scale = 2.0 * (100.0 / max(data.size - 1, 1)) / float(self.selection_epsilon)
+        u = torch.rand(len(accuracies), generator=generator, device=generator.device, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
+        return int(torch.argmax(torch.tensor(accuracies, dtype=torch.float64, device=u.device) + scale * gumbel))
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Cluster models and assignments (z_i are recomputed by ``setup``)."""
+        return {"cluster_models": self.cluster_models.clone(), "assignment": self.assignment.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.cluster_models = state["cluster_models"].clone()
+        self.assignment = np.asarray(state["assignment"], dtype=np.int64)
+
+
+class OracleCDPFL(ClusteredDPFL):
+    """O-CDPFL: the true clusters are known from round 1; DPFedAvg inside each (spec §6.4).
+
+    The datamodule must expose ``client_cluster`` (e.g. :class:`datamodules.ClusteredDataModule`);
+    ``num_clusters`` must equal its number of clusters.
+    """
+
+    def initial_assignment(self, federation: Federation) -> np.ndarray:
+        """The true clusters ``s(i)``."""
+        truth = getattr(federation.datamodule, "client_cluster", None)
+        require(truth is not None, f"OracleCDPFL needs a datamodule with client_cluster, got "
+                                   f"{type(federation.datamodule).__name__}")
+        truth = np.asarray(truth, dtype=np.int64)
+        require(int(truth.max()) + 1 == self.num_clusters,
+                f"algorithm.num_clusters must equal the data's {int(truth.max()) + 1} clusters, got {self.num_clusters}")
+        return truth.copy()
+
+
+class LocalDPSGD(ClusteredDPFL):
+    """Local training: every client runs DP-SGD on its own model, no communication (spec §6.5).
+
+    ``num_clusters`` is ignored (one model per client).
+    """
+
+    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
+        """One copy of ``θ^init`` per client."""
+        self.num_clusters = federation.num_clients
+        return initial.unsqueeze(0).repeat(self.num_clusters, 1)
+
+    def initial_assignment(self, federation: Federation) -> np.ndarray:
+        """Client i owns model i."""
+        return np.arange(federation.num_clients, dtype=np.int64)

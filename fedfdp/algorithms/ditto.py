@@ -1,0 +1,118 @@
+"""Ditto (Li, Hu, Beirami, Smith, ICML 2021): a global model plus personalised models.
+
+Each round client ``i`` (1) updates the global model exactly as the parent algorithm
+(FedAvg / DP-FedAvg) and uploads it, and (2) updates its personal model ``v_i`` — kept on the
+client in a :class:`ClientStateStore`, started from ``w_t`` at its first round — with the same
+local loop on ``F_i(v) + (λ/2)‖v − w_t‖²``: the term ``λ(v − w_t)`` is added after
+privatisation. Each client is evaluated with its personal model (clients that never trained
+use ``w_t``). λ = 0 makes ``v_i`` plain local training.
+
+Under DP the personal steps are DP-SGD steps too and are charged to the client's ledger (the
+personal model is then itself (ε, δ)-DP, e.g. when it is deployed), so a DP-Ditto round costs
+twice the steps of DP-FedAvg.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedfdp.algorithms.client_state import ClientStateStore
+from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg, LocalMode
+from fedfdp.algorithms.grad_terms import TermClient
+from fedfdp.errors import require
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.release import NormalizeBy
+from fedfdp.seeding import RandomSource
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
+
+
+def personal_generator(generator: RandomSource) -> RandomSource:
+    """The personal phase's stream, drawn from the round's client generator before any step.
+
+    A non-reproducible (secure) source is used as is.
+    """
+    if not isinstance(generator, torch.Generator):
+        return generator
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
+    gen = torch.Generator(device=generator.device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class _Ditto:
+    def _init_ditto(self, personal_weight: float) -> None:
+        require(personal_weight >= 0, f"algorithm.personal_weight must be >= 0, got {personal_weight}")
+        self.personal_weight = personal_weight
+        self.client_state = ClientStateStore()  # v_i
+
+    def local_update(self, client: Any, data: ClientData, context: RoundContext,
+                     generator: RandomSource) -> ClientUpdate:
+        """Global update (uploaded), then the personal update (kept on the client)."""
+        personal_gen = personal_generator(generator)
+        start = client.get_flat_params()
+        update = super().local_update(client, data, context, generator)  # type: ignore[misc]
+        personal = self.client_state.get(data.client_id, "personal", lambda: start.clone())
+        client.set_flat_params(personal)
+        lam = self.personal_weight
+        wrapped = TermClient(client, lambda v: lam * (v - start))
+        personal_update = super().local_update(wrapped, data, context, personal_gen)  # type: ignore[misc]
+        self.client_state.set(data.client_id, "personal", personal_update.params)
+        update.dp_events = update.dp_events + personal_update.dp_events
+        return update
+
+    def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
+        """The parent's events twice (global and personal steps)."""
+        return 2 * list(super().planned_dp_events(client_id, dataset_size))  # type: ignore[misc]
+
+    def evaluation_groups(self, global_params: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
+        """Each client with a personal model evaluates it; the others use ``w_t``."""
+        personal = [c for c in self.client_state.clients() if c < num_clients]
+        groups: list[tuple[list[int], Tensor]] = [([c], self.client_state.get(c, "personal")) for c in personal]
+        rest = [c for c in range(num_clients) if c not in set(personal)]
+        return groups + ([(rest, global_params)] if rest else [])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The personal models."""
+        return {"clients": self.client_state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the personal models."""
+        self.client_state.load_state_dict(state["clients"])
+
+
+class Ditto(_Ditto, FedAvg):
+    """Non-private Ditto.
+
+    Args:
+        personal_weight: λ ≥ 0 of the personal objective (spec §6: 0.1 or 1).
+        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg` (shared by both
+            phases).
+    """
+
+    def __init__(self, *, personal_weight: float = 0.1, lr: float = 0.1, local_epochs: int = 1,
+                 batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
+        super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
+                         sample_rate=sample_rate)
+        self._init_ditto(personal_weight)
+
+
+class DPDitto(_Ditto, DPFedAvg):
+    """Ditto with DP-SGD in both phases (both charged).
+
+    Args:
+        personal_weight: λ ≥ 0.
+        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
+            normalize_constant: as for :class:`DPFedAvg`.
+    """
+
+    def __init__(self, *, personal_weight: float = 0.1, lr: float = 1.0, sample_rate: float = 0.05,
+                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
+                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
+        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
+                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
+                         normalize_constant=normalize_constant)
+        self._init_ditto(personal_weight)

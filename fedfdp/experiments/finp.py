@@ -1,0 +1,178 @@
+"""FinP comparison harness (``python -m fedfdp.experiments finp-table``): FinP seed 003, Tables 1/3 layout.
+
+Rows: the baseline FedAvg, FinP_client, FinP_server(PCA/ALA), FinP(PCA/ALA) (spec §1.8), a β
+ablation, and DP rows (DP-FedAvg, FinP + DP-SGD, FedFDP, each with the same SIA/MIA audit). Each
+run is one subprocess ``python -m fedfdp.fit --config <config> --run_dir <out>/<row>/seed<k>
+--seed_everything k <overrides>``; finished runs are skipped, interrupted ones resumed. Columns
+follow spec §3: train / test accuracy = mean over the last 5 evaluations; Mean(SIA) = mean over
+rounds of the client-mean SIA accuracy, Max(SIA) = its maximum over rounds (both %); CoV, FI, EOD,
+CoV(Loss), FI(Loss) = means over rounds; Converge = first round ≥ 0.98 × final level that stays
+there; plus MIA AUC of the final global model, ε and seconds per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fedfdp.privacy_metrics import convergence_round
+
+CONFIG = "{config}"  # the dataset's FinP config (see DATASETS)
+DP_CONFIG = "configs/finp_fmnist_dp.yaml"
+FEDFDP_CONFIG = "configs/fedfdp_fmnist_sia.yaml"
+A = "--model.algorithm.init_args."
+FEDAVG = ["{fedavg}"]
+# dataset -> (FinP config, baseline overrides, whether the DP rows exist)
+DATASETS: dict[str, tuple[str, list[str], bool]] = {
+    "fmnist": ("configs/finp_fmnist.yaml", ["--model.algorithm", "fedfdp.algorithms.FedAvg", A + "lr", "0.05",
+                                             A + "local_epochs", "2", A + "batch_size", "32"], True),
+    # FinP with both parts off is FedAvg exactly (same loop, n_k weights, nothing extra uploaded)
+    "synthetic_har": ("configs/finp_synthetic_har.yaml", [A + "client_reg", "false", A + "server_agg", "size_fedavg"],
+                      False),
+}
+# row name -> (group, label, config, overrides)
+ROWS: dict[str, tuple[str, str, str, list[str]]] = {
+    "baseline": ("main", "Baseline (FedAvg)", CONFIG, FEDAVG),
+    "finp_client": ("main", "FinP_client (β=2)", CONFIG, [A + "server_agg", "size_fedavg"]),
+    "finp_server_pca": ("main", "FinP_server (PCA)", CONFIG, [A + "client_reg", "false"]),
+    "finp_pca": ("main", "FinP (PCA, β=2)", CONFIG, []),
+    "finp_server_ala": ("main", "FinP_server (ALA)", CONFIG, [A + "client_reg", "false", A + "server_agg", "ala"]),
+    "finp_ala": ("main", "FinP (ALA, β=2)", CONFIG, [A + "server_agg", "ala"]),
+    "finp_pca_b0.1": ("beta", "FinP (PCA, β=0.1)", CONFIG, [A + "beta", "0.1"]),
+    "finp_pca_b0.5": ("beta", "FinP (PCA, β=0.5)", CONFIG, [A + "beta", "0.5"]),
+    "finp_ala_b0.1": ("beta", "FinP (ALA, β=0.1)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.1"]),
+    "finp_ala_b0.5": ("beta", "FinP (ALA, β=0.5)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.5"]),
+    "finp_ala_b8": ("beta", "FinP (ALA, β=8)", CONFIG, [A + "server_agg", "ala", A + "beta", "8"]),
+    "dpfedavg": ("dp", "DP-FedAvg (σ=1.5)", DP_CONFIG, ["--model.algorithm", "fedfdp.algorithms.DPFedAvg"]),
+    "dpfinp_server_ala": ("dp", "FinP_server (ALA) + DP-SGD", DP_CONFIG, [A + "client_reg", "false"]),
+    "dpfinp_ala_b0.1": ("dp", "FinP (ALA, β=0.1) + DP-SGD", DP_CONFIG, [A + "beta", "0.1"]),
+    "dpfinp_ala": ("dp", "FinP (ALA, β=0.5) + DP-SGD", DP_CONFIG, []),
+    "fedfdp": ("dp", "FedFDP (λ=0.1)", FEDFDP_CONFIG, []),
+}
+COLUMNS = [("train_acc", "Train acc %"), ("test_acc", "Test acc %"), ("sia_mean", "Mean(SIA) %"),
+           ("sia_max", "Max(SIA) %"), ("sia_cov", "CoV(SIA)"), ("sia_fi", "FI(SIA)"), ("loss_cov", "CoV(Loss)"),
+           ("loss_fi", "FI(Loss)"), ("eod", "EOD"), ("converge", "Converge"), ("mia_auc", "MIA AUC"),
+           ("epsilon", "ε"), ("sec_round", "s/round")]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``finp-table`` command."""
+    p = subparsers.add_parser("finp-table", help="FedAvg vs FinP-PCA vs FinP-ALA, β ablation, DP rows (SIA audit)")
+    p.add_argument("--dataset", default="fmnist", choices=sorted(DATASETS), help="which FinP config the rows use")
+    p.add_argument("--rows", default="main,beta,dp", help="groups (main, beta, dp) and/or row names, comma-separated")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--rounds", type=int, default=None, help="override model.num_rounds (default: the config's 20)")
+    p.add_argument("--out", default="runs/finp_table", help="root of the run directories")
+    p.add_argument("--markdown", default=None, help="write the table here (default: <out>/table.md)")
+    p.add_argument("--dry_run", action="store_true", help="print the commands only")
+    p.set_defaults(func=run)
+
+
+def selected_rows(spec: str) -> list[str]:
+    """Row names from groups and/or names."""
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [w for w in wanted if w not in ROWS and w not in {g for g, *_ in ROWS.values()}]
+    if unknown:
+        raise SystemExit(f"error: --rows got unknown {unknown}; accepted: main, beta, dp or {sorted(ROWS)}")
+    return [name for name, (group, *_) in ROWS.items() if name in wanted or group in wanted]
+
+
+def command(name: str, seed: int, run_dir: Path, rounds: int | None, dataset: str = "fmnist") -> list[str]:
+    """The ``fedfdp.fit`` command line of one run."""
+    _, _, config, overrides = ROWS[name]
+    finp_config, fedavg, _ = DATASETS[dataset]
+    config = config.format(config=finp_config)
+    overrides = fedavg if overrides == FEDAVG else overrides
+    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", config, "--run_dir", str(run_dir),
+           "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false", "--wandb", "disabled", *overrides]
+    if rounds is not None:
+        cmd += ["--model.num_rounds", str(rounds)]
+    if (run_dir / "checkpoints" / "last.ckpt").exists():
+        cmd += ["--ckpt_path", "last"]
+    return cmd
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether the run wrote a summary covering every planned round."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return False
+    summary = json.loads(path.read_text())
+    return summary["rounds_run"] >= summary["rounds_planned"]
+
+
+def row_values(summary: dict[str, Any]) -> dict[str, float | None]:
+    """One run's table values (spec §3)."""
+    final, hist = summary["final"], summary["history"]
+    last = hist[-5:]
+    conv = convergence_round([h["round"] for h in hist], [h["accuracy"] for h in hist])
+    return {"train_acc": 100 * sum(h.get("train_accuracy", float("nan")) for h in last) / len(last),
+            "test_acc": 100 * sum(h["accuracy"] for h in last) / len(last),
+            "sia_mean": final.get("sia_table_mean"), "sia_max": final.get("sia_table_max"),
+            "sia_cov": final.get("sia_cov_avg"), "sia_fi": final.get("sia_fi_avg"),
+            "loss_cov": final.get("sia_loss_cov_avg"), "loss_fi": final.get("sia_loss_fi_avg"),
+            "eod": final.get("sia_eod_avg"), "converge": conv, "mia_auc": final.get("mia_auc"),
+            "epsilon": summary.get("epsilon"), "sec_round": summary.get("seconds_per_round")}
+
+
+def _fmt(value: float | None, key: str) -> str:
+    if value is None:
+        return "–"
+    if key == "converge":
+        return f"round {int(value)}"
+    return f"{value:.2f}" if key in ("train_acc", "test_acc", "sia_mean", "sia_max", "epsilon", "sec_round") \
+        else f"{value:.3f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the missing rows, then write the markdown table and a CSV."""
+    out = Path(args.out)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = selected_rows(args.rows)
+    if not DATASETS[args.dataset][2]:
+        rows = [r for r in rows if ROWS[r][0] != "dp"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
+    for name in rows:
+        for seed in seeds:
+            run_dir = out / name / f"seed{seed}"
+            if finished(run_dir):
+                print(f"skip {name} seed {seed} (finished)")
+                continue
+            cmd = command(name, seed, run_dir, args.rounds, args.dataset)
+            print(" ".join(cmd), flush=True)
+            if args.dry_run:
+                continue
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"FAILED {name} seed {seed}:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                return proc.returncode
+            print(f"done {name} seed {seed} in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.dry_run:
+        return 0
+    lines = ["| Method | " + " | ".join(label for _, label in COLUMNS) + " |",
+             "|---|" + "---|" * len(COLUMNS)]
+    records = []
+    for name in rows:
+        values = [row_values(json.loads((out / name / f"seed{s}" / "summary.json").read_text())) for s in seeds]
+        mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)
+                for k, _ in COLUMNS}
+        records.append({"row": name, "label": ROWS[name][1], "seeds": len(seeds), **mean})
+        lines.append(f"| {ROWS[name][1]} | " + " | ".join(_fmt(mean[k], k) for k, _ in COLUMNS) + " |")
+    table = "\n".join(lines) + "\n"
+    md = Path(args.markdown) if args.markdown else out / "table.md"
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(table)
+    with open(out / "table.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    print(table)
+    return 0

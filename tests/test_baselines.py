@@ -1,0 +1,312 @@
+"""Baselines (FedProx, SCAFFOLD, FedDyn, q-FFL, ALI-DPFL, Ditto): degenerate equivalences, the
+data-independent terms reaching the update, accounting, and the client-state store."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from callbacks import GlobalLossReporting, NoisyGlobalLossReporting, NoisyLossReporting, RDPAccounting
+from fedfdp import Federation
+from fedfdp.aggregate import weighted_mean
+from fedfdp.algorithms import (
+    ALIDPFL, QFFL, ClientStateStore, Ditto, DPDitto, DPFedAvg, DPFedDyn, DPFedProx, DPQFFL, DPScaffold, FedAvg,
+    FedDyn, FedProx, Scaffold,
+)
+from fedfdp.algorithms.ditto import personal_generator
+from fedfdp.errors import ConfigError
+from fedfdp.seeding import torch_generator
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from tests.helpers import flat, run_federation, tiny_client, tiny_data
+
+DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+NONDP = dict(lr=0.1, batch_size=32)
+
+
+def acc():
+    return [RDPAccounting()]
+
+
+def same_model(a, b):
+    return torch.equal(flat(a.global_model), flat(b.global_model))
+
+
+# ---- degenerate equivalences ---------------------------------------------------------------------
+@pytest.mark.parametrize("make, reference, callbacks", [
+    (lambda: FedProx(mu=0.0, **NONDP), lambda: FedAvg(**NONDP), list),
+    (lambda: DPFedProx(mu=0.0, local_steps=3, **DP), lambda: DPFedAvg(local_steps=3, **DP), acc),
+    (lambda: Scaffold(freeze_control_variates=True, **NONDP), lambda: FedAvg(**NONDP), list),
+    (lambda: DPScaffold(freeze_control_variates=True, local_steps=2, **DP), lambda: DPFedAvg(local_steps=2, **DP), acc),
+    (lambda: FedDyn(alpha=0.0, server_correction=False, **NONDP), lambda: FedAvg(**NONDP), list),
+    (lambda: DPFedDyn(alpha=0.0, server_correction=False, local_steps=2, **DP),
+     lambda: DPFedAvg(local_steps=2, **DP), acc),
+], ids=["fedprox", "dp-fedprox", "scaffold", "dp-scaffold", "feddyn", "dp-feddyn"])
+def test_degenerate_baseline_equals_fedavg_bitwise(make, reference, callbacks):
+    a, _ = run_federation(make(), callbacks(), rounds=3)
+    b, _ = run_federation(reference(), callbacks(), rounds=3)
+    assert same_model(a, b)
+
+
+@pytest.mark.parametrize("make, reference", [
+    (lambda: FedProx(mu=0.5, **NONDP), lambda: FedAvg(**NONDP)),
+    (lambda: Scaffold(**NONDP), lambda: FedAvg(**NONDP)),
+    (lambda: DPScaffold(**DP), lambda: DPFedAvg(**DP)),
+    (lambda: DPFedDyn(alpha=0.1, **DP), lambda: DPFedAvg(**DP)),
+], ids=["fedprox", "scaffold", "dp-scaffold", "dp-feddyn"])
+def test_non_degenerate_baseline_differs_from_fedavg(make, reference):
+    cbs = acc if isinstance(reference(), DPFedAvg) else list
+    a, _ = run_federation(make(), cbs(), rounds=3)
+    b, _ = run_federation(reference(), cbs(), rounds=3)
+    assert not same_model(a, b)
+
+
+def test_feddyn_client_with_alpha_zero_is_fedavg_but_server_correction_is_alpha_free():
+    """α → 0: the client update is FedAvg's; the server's h/α = −Σ(1/N)Σ(w_i − w_t) remains."""
+    data = _client_data()
+    w0 = tiny_client().get_flat_params()
+    ctx = RoundContext(round=0)
+    dyn, avg = FedDyn(alpha=0.0, **NONDP), FedAvg(**NONDP)
+    u_dyn = dyn.local_update(_client_at(w0), data, ctx, torch_generator(0, "t"))
+    u_avg = avg.local_update(_client_at(w0), data, ctx, torch_generator(0, "t"))
+    assert torch.equal(u_dyn.params, u_avg.params)
+    dyn.num_clients = 4
+    ups = [ClientUpdate(0, w0 + 1.0, 10), ClientUpdate(1, w0 - 3.0, 30)]
+    target = dyn.aggregate(w0, ups, ctx)
+    mean = weighted_mean([u.params for u in ups], [10, 30])
+    assert torch.allclose(target, mean + (1.0 - 3.0) / 4)
+
+
+@pytest.mark.parametrize("make, reference, callbacks", [
+    (lambda: QFFL(q=0.0, **NONDP), lambda: FedAvg(**NONDP), lambda: [GlobalLossReporting()]),
+    (lambda: DPQFFL(q=0.0, **DP), lambda: DPFedAvg(**DP),
+     lambda: [NoisyGlobalLossReporting(loss_clip_rule="fixed"), RDPAccounting()]),
+], ids=["qffl", "dp-qffl"])
+def test_qffl_with_q_zero_is_fedavg(make, reference, callbacks):
+    """q-FFL paper: q = 0 gives FedAvg (p_i-weighted average of the local models, all clients taking part)."""
+    a, _ = run_federation(make(), callbacks(), rounds=1)
+    b, _ = run_federation(reference(), callbacks(), rounds=1)
+    assert torch.allclose(flat(a.global_model), flat(b.global_model), atol=1e-6)
+
+
+def test_qffl_aggregate_matches_formula():
+    w = torch.tensor([1.0, 2.0])
+    ups = [ClientUpdate(0, torch.tensor([0.5, 2.0]), 1, reported_loss=2.0),
+           ClientUpdate(1, torch.tensor([1.0, 1.0]), 3, reported_loss=0.5)]
+    alg = QFFL(q=1.0, lr=0.5)  # L = 2
+    dws = [2 * (w - u.params) for u in ups]  # p = (1/4, 3/4)
+    num = 0.25 * 2.0 * dws[0] + 0.75 * 0.5 * dws[1]
+    den = 0.25 * (dws[0].pow(2).sum() + 2 * 2.0) + 0.75 * (dws[1].pow(2).sum() + 2 * 0.5)
+    assert torch.allclose(alg.aggregate(w, ups, RoundContext(0)), w - num / den)
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["ditto", "dp-ditto"])
+def test_ditto_with_lambda_zero_personal_model_is_local_training(dp):
+    alg = DPDitto(personal_weight=0.0, **DP) if dp else Ditto(personal_weight=0.0, **NONDP)
+    local = DPFedAvg(**DP) if dp else FedAvg(**NONDP)
+    fed, _ = run_federation(alg, acc() if dp else [], rounds=2)
+    w0 = tiny_client().get_flat_params()
+    for cid in range(fed.num_clients):
+        v = w0
+        for r in range(2):
+            gen = personal_generator(fed.generator("client", r, cid))
+            v = local.local_update(_client_at(v), fed.client_data(cid), RoundContext(r), gen).params
+        assert torch.equal(alg.client_state.get(cid, "personal"), v)
+    groups = alg.evaluation_groups(flat(fed.global_model), fed.num_clients)
+    assert sorted(c for ids, _ in groups for c in ids) == list(range(fed.num_clients))
+
+
+# ---- the data-independent terms reach the update ------------------------------------------------
+def _client_data(cid: int = 0) -> ClientData:
+    dm = tiny_data()
+    dm.setup("fit")
+    x, y = dm.client_train(cid)
+    return ClientData(client_id=cid, x=x, y=y)
+
+
+def _client_at(params):
+    client = tiny_client()
+    client.set_flat_params(params)
+    return client
+
+
+ONE_STEP_NONDP = dict(lr=0.1, local_mode="poisson_batch", sample_rate=0.5)
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["plain", "private"])
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto"])
+def test_term_reaches_the_update(name, dp):
+    """One local step: w1(algorithm) = w1(FedAvg) − η·term, with the term built from preset state."""
+    data, w0 = _client_data(), tiny_client().get_flat_params()
+    kw = DP if dp else ONE_STEP_NONDP
+    lr = kw["lr"]
+    k = torch.linspace(-1, 1, w0.numel())
+    ref = (DPFedAvg(**DP) if dp else FedAvg(**ONE_STEP_NONDP))
+    if name == "scaffold":
+        alg = DPScaffold(**DP) if dp else Scaffold(**ONE_STEP_NONDP)
+        alg.control = 2 * k
+        alg.client_state.set(0, "c", k)
+        expected = -lr * k  # c − c_i = k
+    elif name == "feddyn":
+        alg = DPFedDyn(alpha=0.3, **DP) if dp else FedDyn(alpha=0.3, **ONE_STEP_NONDP)
+        alg.client_state.set(0, "grad_memory", k)
+        expected = lr * k  # −∇L_i; the quadratic term is 0 at the first step
+    else:
+        alg = DPDitto(personal_weight=0.7, **DP) if dp else Ditto(personal_weight=0.7, **ONE_STEP_NONDP)
+        v0 = w0 + 0.01 * k
+        alg.client_state.set(0, "personal", v0)
+        gen = torch_generator(0, "t")
+        alg.local_update(_client_at(w0), data, RoundContext(0), gen)
+        pgen = personal_generator(torch_generator(0, "t"))
+        plain = ref.local_update(_client_at(v0), data, RoundContext(0), pgen).params
+        got = alg.client_state.get(0, "personal")
+        assert torch.allclose(got - plain, -lr * 0.7 * (v0 - w0), atol=1e-6)
+        return
+    got = alg.local_update(_client_at(w0), data, RoundContext(0), torch_generator(0, "t")).params
+    plain = ref.local_update(_client_at(w0), data, RoundContext(0), torch_generator(0, "t")).params
+    assert torch.allclose(got - plain, expected, atol=1e-6)
+
+
+def test_dp_fedprox_term_reaches_the_second_step():
+    """Two DP steps: w2(prox) = w2(avg) − η μ (w1 − w0); the noise is the same, the term is added after it."""
+    data, w0, mu = _client_data(), tiny_client().get_flat_params(), 0.4
+    w1 = DPFedAvg(local_steps=1, **DP).local_update(_client_at(w0), data, RoundContext(0), torch_generator(0, "p")).params
+    w2 = DPFedAvg(local_steps=2, **DP).local_update(_client_at(w0), data, RoundContext(0), torch_generator(0, "p")).params
+    w2p = DPFedProx(mu=mu, local_steps=2, **DP).local_update(_client_at(w0), data, RoundContext(0),
+                                                             torch_generator(0, "p")).params
+    assert not torch.equal(w2, w2p)
+    assert torch.allclose(w2p - w2, -DP["lr"] * mu * (w1 - w0), atol=1e-6)
+
+
+def test_scaffold_control_variates_follow_option_two():
+    data, w0 = _client_data(), tiny_client().get_flat_params()
+    alg = Scaffold(**ONE_STEP_NONDP)
+    alg.num_clients = 4
+    up = alg.local_update(_client_at(w0), data, RoundContext(0), torch_generator(0, "s"))
+    c_i = alg.client_state.get(0, "c")
+    assert torch.allclose(c_i, (w0 - up.params) / (1 * 0.1))  # c = c_i = 0 before, K = 1
+    alg.on_round_end([up], RoundContext(0))
+    assert torch.allclose(alg.control, c_i / 4)
+
+
+# ---- accounting -----------------------------------------------------------------------------------
+def test_dp_qffl_requires_and_charges_the_global_loss_release():
+    with pytest.raises(ConfigError, match="NoisyGlobalLossReporting"):
+        run_federation(DPQFFL(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=1)
+    acct = RDPAccounting()
+    fed, _ = run_federation(DPQFFL(**DP), [NoisyGlobalLossReporting(), acct], rounds=2)
+    sigmas = {entry[0] for entry in acct.ledgers[0].accountant.history}
+    assert sigmas == {DP["noise_multiplier"], 5.0}  # model steps and the loss release (σ_l = 5)
+    plain = RDPAccounting()
+    run_federation(DPFedAvg(**DP), [plain], rounds=2)
+    assert acct.epsilon() > plain.epsilon()
+
+
+def test_alidpfl_plans_worst_case_and_charges_actual_steps():
+    alg = ALIDPFL(max_local_steps=4, **DP)
+    assert alg.planned_dp_events(0, 100)[0][1].steps == 4
+    acct = RDPAccounting()
+    fed, _ = run_federation(alg, [acct], rounds=3)
+    taken = alg.local_steps
+    assert 1 <= taken <= 4
+    ref = RDPAccounting()
+    run_federation(DPFedAvg(local_steps=4, **DP), [ref], rounds=3)
+    assert acct.epsilon() <= ref.epsilon() + 1e-12
+
+
+def test_alidpfl_step_rule_grows_when_mu_is_small():
+    alg = ALIDPFL(max_local_steps=100, **DP)
+    alg.dim, alg.batch_hat = 10_000, 50.0
+    assert alg.optimal_steps(0.01, 100) > alg.optimal_steps(10.0, 100) >= 1
+    assert alg.optimal_steps(1e-6, 100) == 100
+
+
+def test_ditto_dp_charges_both_phases():
+    assert len(DPDitto(**DP).planned_dp_events(0, 100)) == 2
+
+
+# ---- client state ---------------------------------------------------------------------------------
+def test_client_state_store_is_lazy_and_round_trips():
+    store = ClientStateStore()
+    assert store.get(3, "c") is None and store.clients() == [] and store.num_bytes() == 0
+    store.get(3, "c", lambda: torch.ones(5))
+    assert store.clients() == [3] and store.num_bytes() == 20
+    buf = io.BytesIO()
+    torch.save(store.state_dict(), buf)
+    buf.seek(0)
+    other = ClientStateStore()
+    other.load_state_dict(torch.load(buf))
+    assert torch.equal(other.get(3, "c"), torch.ones(5))
+
+
+def test_only_clients_that_trained_hold_state():
+    alg = Scaffold(**NONDP)
+    run_federation(alg, [], rounds=1, clients_per_round=1, data=tiny_data(num_clients=4))
+    assert len(alg.client_state.clients()) == 1
+
+
+@pytest.mark.parametrize("make", [lambda: DPScaffold(**DP), lambda: DPFedDyn(alpha=0.1, **DP),
+                                  lambda: DPDitto(**DP)], ids=["scaffold", "feddyn", "ditto"])
+def test_resume_restores_client_state_bitwise(tmp_path, make):
+    """2 rounds, checkpoint, resume to 4 ≡ 4 rounds straight (control variates / memories / personal models)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(rounds, ckpt_dir=None, ckpt_path=None):
+        cbs = [RDPAccounting()]
+        if ckpt_dir is not None:
+            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1))
+        fed = Federation(tiny_client(), make(), num_rounds=rounds, seed=1)
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          max_epochs=-1, enable_checkpointing=ckpt_dir is not None, callbacks=cbs)
+        trainer.fit(fed, datamodule=tiny_data(), ckpt_path=ckpt_path)
+        return fed
+
+    straight = fit(4)
+    fit(2, tmp_path)
+    resumed = fit(4, tmp_path, str(tmp_path / "last.ckpt"))
+    assert same_model(straight, resumed)
+    a, b = straight.algorithm.state_dict(), resumed.algorithm.state_dict()
+    assert a["clients"].keys() == b["clients"].keys() and a["clients"]
+    for cid in a["clients"]:
+        for name, tensor in a["clients"][cid].items():
+            assert torch.equal(tensor, b["clients"][cid][name])
+
+
+@pytest.mark.parametrize("bad, field", [(lambda: FedProx(mu=-1), "algorithm.mu"),
+                                        (lambda: FedDyn(alpha=-1), "algorithm.alpha"),
+                                        (lambda: QFFL(q=-1), "algorithm.q"),
+                                        (lambda: ALIDPFL(max_local_steps=0), "algorithm.max_local_steps"),
+                                        (lambda: Ditto(personal_weight=-1), "algorithm.personal_weight")])
+def test_bad_hyper_parameters_name_the_field(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        bad()
+
+
+class _RecordingClient:
+    """Records the local model after every step of the wrapped client."""
+
+    def __init__(self, client):
+        self.client, self.params = client, []
+
+    def training_step(self, batch, batch_idx=0):
+        out = self.client.training_step(batch, batch_idx)
+        self.params.append(self.client.get_flat_params())
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_fedprox_term_reaches_the_second_plain_step():
+    """Two mini-batch steps: w2(prox) = w2(avg) − η μ (w1 − w0) (same batches, same gradient at w1)."""
+    data, w0, mu = _client_data(), tiny_client().get_flat_params(), 0.4
+    batch = (data.size + 1) // 2
+    rec = _RecordingClient(_client_at(w0))
+    FedAvg(lr=0.1, batch_size=batch).local_update(rec, data, RoundContext(0), torch_generator(0, "q"))
+    assert len(rec.params) == 2
+    w1, w2 = rec.params
+    w2p = FedProx(mu=mu, lr=0.1, batch_size=batch).local_update(_client_at(w0), data, RoundContext(0),
+                                                               torch_generator(0, "q")).params
+    assert torch.allclose(w2p - w2, -0.1 * mu * (w1 - w0), atol=1e-6)

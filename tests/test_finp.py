@@ -1,0 +1,175 @@
+"""FinP (seed 003): Gram-PCA weights, ALA, rank ρ, curvature by HVPs, the regulariser, DP release, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from callbacks import RDPAccounting, SourceInferenceAudit
+from fedfdp.algorithms import DPFedAvg, DPFinP, FinP
+from fedfdp.algorithms.finp import CURVATURE_RELEASE
+from fedfdp.finp_math import (ala_weights, explicit_pca_distances, gram_matrix, hessian_vector_product,
+                              hutchinson_trace, log_lipschitz_bound, overfitting_rank, pca_distances, pca_weights,
+                              power_iteration)
+from tests.conftest import REPO
+from tests.helpers import run_federation
+
+
+def _clustered_with_outlier(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cluster = 1.0 + 0.1 * torch.randn(9, 50, generator=g)
+    return torch.cat([cluster, -2.0 + 0.1 * torch.randn(1, 50, generator=g)])
+
+
+def test_gram_pca_distances_equal_sklearn_pca_distances():
+    models = torch.randn(6, 40, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    reference = models.mean(0) + 0.3
+    for w in (np.full(6, 1 / 6), np.random.default_rng(0).dirichlet(np.ones(6))):
+        gram = gram_matrix(models - reference)
+        assert np.allclose(pca_distances(gram, w), explicit_pca_distances(reference, models, w), atol=1e-6)
+
+
+def test_pca_objective_upweights_an_outlier_client_pinned_behaviour():
+    """Spec §1.5 finding 3: equalising distances pulls the aggregate towards the outlier (weight ~0.5)."""
+    w = pca_weights(gram_matrix(_clustered_with_outlier()))
+    assert w.sum() == pytest.approx(1.0) and (w >= 0).all()
+    assert w[-1] == pytest.approx(0.5, abs=0.05)
+    d = pca_distances(gram_matrix(_clustered_with_outlier()), w)
+    assert d.std() / d.mean() < 0.02  # distances equalised
+
+
+def test_ala_weights_sum_to_one_zero_for_rank_one_and_fall_back_to_sizes():
+    w = ala_weights([0.2, 1.0, 0.6], [10, 20, 30])
+    assert float(w.sum()) == pytest.approx(1.0) and float(w[1]) == 0.0
+    assert w.tolist() == pytest.approx([0.8 / 1.2, 0.0, 0.4 / 1.2])
+    assert ala_weights([1.0, 1.0], [1, 3]).tolist() == pytest.approx([0.25, 0.75])
+
+
+def test_overfitting_rank_known_values_and_edge_cases():
+    assert overfitting_rank([1.0, 2.0, 4.0], [0.0, 0.0, 3.0]).tolist() == pytest.approx(
+        [(2.0 / 2.5 + 0.5) / 2, (1.5 / 2.5 + 0.5) / 2, (2.5 / 2.5 + 1.0) / 2])
+    assert overfitting_rank([3.0, 1.0], [5.0, 2.0]).tolist() == [1.0, 1.0]     # K = 2
+    assert overfitting_rank([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]).tolist() == [0.0, 0.0, 0.0]
+    assert overfitting_rank([2.0], [1.0]).tolist() == [0.0]
+
+
+def test_hvp_power_iteration_matches_the_top_eigenvalue_of_an_explicit_hessian():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 2, (16,))
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for p in net.parameters()]
+    flat0 = torch.cat([p.detach().flatten() for p in net.parameters()])
+
+    def loss_of(flat: torch.Tensor) -> torch.Tensor:
+        parts, offset = {}, 0
+        for name, shape in zip(names, shapes):
+            n = int(np.prod(shape))
+            parts[name] = flat[offset:offset + n].view(shape)
+            offset += n
+        return F.cross_entropy(functional_call(net, parts, (x,)), y)
+
+    hessian = torch.autograd.functional.hessian(loss_of, flat0)
+    eig = torch.linalg.eigvalsh(hessian)
+    top = eig[eig.abs().argmax()]
+    hvp, params = hessian_vector_product(net, lambda o, t: F.cross_entropy(o, t, reduction="none"), x, y)
+    v = [torch.randn_like(p) for p in params]
+    assert torch.allclose(torch.cat([h.flatten() for h in hvp(v)]), hessian @ torch.cat([t.flatten() for t in v]),
+                          atol=1e-10)
+    lam = power_iteration(hvp, params, max_iter=2000, tol=1e-10, generator=torch.Generator().manual_seed(0))
+    assert lam == pytest.approx(float(top), rel=1e-4)
+
+
+def test_hutchinson_is_exact_for_a_diagonal_hessian():
+    diag = torch.tensor([3.0, -1.0, 0.5, 2.0], dtype=torch.float64)
+    trace = hutchinson_trace(lambda v: [diag * v[0]], [diag], max_iter=5, generator=torch.Generator().manual_seed(0))
+    assert trace == pytest.approx(4.5)
+
+
+def test_lipschitz_estimators_on_one_linear_layer():
+    layer = nn.Linear(5, 3)
+    with torch.no_grad():
+        rownorm = float(log_lipschitz_bound(layer, "rownorm_product").exp())
+        spectral = float(log_lipschitz_bound(layer, "spectral_product").exp())
+    assert rownorm == pytest.approx(float(layer.weight.detach().norm(dim=1).max()), rel=1e-5)
+    assert spectral == pytest.approx(float(torch.linalg.matrix_norm(layer.weight.detach(), ord=2)), rel=1e-5)
+    assert rownorm <= spectral + 1e-6
+
+
+@pytest.mark.parametrize("server_agg", ["pca", "ala"])
+def test_finp_round_aggregates_with_simplex_weights_and_updates_rho(server_agg):
+    alg = FinP(server_agg=server_agg, lr=0.1, batch_size=32, curvature_samples=16, curvature_iters=5)
+    fed, _ = run_federation(alg, [], rounds=2)
+    assert set(alg.rho) == {0, 1, 2} and all(0.0 <= r <= 1.0 for r in alg.rho.values())
+    assert 0.0 <= alg._log["finp_weight_min"] <= alg._log["finp_weight_max"] <= 1.0
+    assert "finp_lambda_mean" in alg._log and alg.state_dict()["rho"] == alg.rho
+
+
+def test_a_large_beta_shrinks_the_lipschitz_bound():
+    """The penalty has no lower bound (spec §1.4): a larger β drives log L further down.
+
+    (With plain SGD a step ``lr·β·ρ·CE`` above ``2‖w_i‖²`` overshoots the row instead, so β stays moderate.)
+    """
+    bounds = {}
+    for beta in (0.0, 3.0):
+        fed, _ = run_federation(FinP(beta=beta, server_agg="size_fedavg", lr=0.1, curvature_iters=3), [], rounds=2)
+        bounds[beta] = float(log_lipschitz_bound(fed.global_model).detach())
+    assert bounds[3.0] < bounds[0.0] - 0.5
+
+
+def test_dp_finp_charges_the_curvature_release():
+    common = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+    alg = DPFinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0, **common)
+    kinds = [kind for kind, _ in alg.planned_dp_events(0, 100)]
+    assert kinds.count(CURVATURE_RELEASE) == 1 and alg.planned_dp_events(0, 100)[-1][1].sample_rate == 0.1
+    eps = {}
+    for name, algorithm in (("finp", alg), ("dpfedavg", DPFedAvg(**common))):
+        acc = RDPAccounting()
+        run_federation(algorithm, [acc, SourceInferenceAudit(num_samples=5, write_json=False)], rounds=2)
+        eps[name] = acc.epsilon()
+    assert eps["finp"] > eps["dpfedavg"] > 0
+
+
+def test_two_round_cli_run_logs_sia_mia_and_finp_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run([sys.executable, "-m", "fedfdp.fit", "--config", str(REPO / "tests/configs/tiny_finp.yaml"),
+                           "--run_dir", str(run_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds_run"] == 2 and summary["algorithm"] == "FinP"
+    for key in ("sia_table_mean", "sia_table_max", "sia_cov_avg", "sia_fi_avg", "sia_eod_avg", "sia_loss_cov_avg",
+                "sia_loss_fi_avg", "mia_auc"):
+        assert key in summary["final"]
+    sia = json.loads((run_dir / "sia.json").read_text())
+    assert len(sia["history"]) == 2 and len(sia["history"][0]["accuracy"]) == 3
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0]
+    assert "finp_rho_mean" in header and "sia_acc" in header
+
+
+@pytest.mark.parametrize("config", ["finp_fmnist", "finp_fmnist_dp", "fedfdp_fmnist_sia", "finp_har",
+                                    "finp_synthetic_har", "finp_cifar10"])
+def test_finp_configs_resolve(config, capsys):
+    from fedfdp.fit import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(REPO / "configs" / f"{config}.yaml"), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "SourceInferenceAudit" in capsys.readouterr().out
+
+
+def test_finp_table_rows_and_dry_run(tmp_path, capsys):
+    from fedfdp.experiments.__main__ import main
+
+    assert main(["finp-table", "--rows", "main,dpfinp_ala", "--out", str(tmp_path), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fedfdp.fit") == 7 and "DPFedAvg" not in out and "finp_fmnist_dp.yaml" in out

@@ -1,0 +1,78 @@
+"""The reproduction harness: overrides, aggregation maths on fake summaries, and a tiny end-to-end table."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from fedfdp.experiments.__main__ import main
+from fedfdp.experiments.paper_tables import Column, Run, apply_overrides, collect, markdown_table, plan_runs
+from tests.conftest import REPO
+
+TINY = REPO / "tests" / "configs" / "tiny_fedfdp.yaml"
+
+
+def test_apply_overrides_sets_dotted_keys_and_callback_args():
+    config = {"model": {"algorithm": {"init_args": {"lr": 1.0}}},
+              "trainer": {"callbacks": [{"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 3.52}}]}}
+    apply_overrides(config, {"callback:callbacks.RDPAccounting.target_epsilon": 1.0, "data.init_args.alpha": 0.5,
+                             "model.algorithm.init_args.noise_multiplier": 1.65, "model.num_rounds": 7})
+    assert config["trainer"]["callbacks"][0]["init_args"]["target_epsilon"] == 1.0
+    assert config["data"]["init_args"]["alpha"] == 0.5 and config["model"]["num_rounds"] == 7
+    assert "noise_multiplier" not in config["model"]["algorithm"]["init_args"]  # non-private: σ does not apply
+
+
+def _fake(run_dir, acc, psi, rounds=10, planned=10):
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({
+        "rounds_run": rounds, "rounds_planned": planned, "final": {"accuracy": acc, "psi": psi, "accuracy_worst": acc},
+        "best_accuracy": acc, "epsilon": 1.0, "seconds_per_round": 2.0}))
+
+
+def test_aggregation_mean_std_over_seeds_and_unfinished_runs_are_left_out(tmp_path):
+    col = Column("FMNIST", "fmnist")
+    runs = [Run("table4", "FedAvg", "dpfedavg", col, s, TINY, tmp_path / f"s{s}") for s in range(3)]
+    _fake(runs[0].run_dir, 0.80, 1e-2)
+    _fake(runs[1].run_dir, 0.90, 3e-2)
+    _fake(runs[2].run_dir, 0.10, 9.0, rounds=5)  # interrupted: not counted
+    rows = collect(runs)
+    assert [r["seed"] for r in rows] == [0, 1]
+    md = markdown_table("T", ["FedAvg", "FedFDP"], ["FMNIST"], rows)
+    # mean 85, sample std sqrt(((80-85)^2 + (90-85)^2)/1) = 7.07; Ψ 2.0e-2 ± 1.4e-2
+    assert "| FedAvg | 85.00±7.07 | 2.0e-02±1.4e-02 |" in md
+    assert "| FedFDP | — | — |" in md
+    assert md.splitlines()[2] == "| Method | FMNIST Acc (%) | FMNIST Ψ |"
+
+
+def test_plan_covers_methods_columns_and_seeds(tmp_path):
+    runs = plan_runs("table6", ["fmnist"], [0, 1], tmp_path, REPO / "configs")
+    assert len(runs) == 7 * 4 * 2
+    assert all(r.config.exists() for r in runs)
+    assert {r.column.label for r in runs} == {"FMNIST eps=1", "FMNIST eps=2", "FMNIST eps=3", "FMNIST eps=4"}
+
+
+def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    fedfdp = yaml.safe_load(TINY.read_text())
+    (configs / "fmnist.yaml").write_text(yaml.safe_dump(fedfdp))
+    dp = yaml.safe_load(TINY.read_text())
+    dp["model"]["algorithm"] = {"class_path": "fedfdp.algorithms.DPScaffold",
+                                "init_args": {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}}
+    dp["trainer"]["callbacks"] = dp["trainer"]["callbacks"][1:]
+    (configs / "fmnist_scaffold_dp.yaml").write_text(yaml.safe_dump(dp))
+    out = tmp_path / "out"
+    args = ["paper-table4", "--dataset", "fmnist", "--methods", "SCAFFOLD", "FedFDP", "--seeds", "0",
+            "--rounds", "1", "--out", str(out), "--config-dir", str(configs)]
+    assert main(args) == 0
+    md = (out / "table4.md").read_text()
+    assert "| SCAFFOLD |" in md and "| FedFDP |" in md and "—" not in md.split("\n\n")[1].splitlines()[2]
+    assert (out / "table4.png").stat().st_size > 0
+    assert len((out / "table4.csv").read_text().splitlines()) == 3
+    summary = json.loads((out / "table4" / "fmnist" / "fedfdp" / "seed0" / "summary.json").read_text())
+    assert summary["rounds_run"] == 1
+    capsys.readouterr()
+    assert main(args) == 0  # everything finished: nothing is run again
+    assert "2 finished, 0 to run" in capsys.readouterr().out
