@@ -256,7 +256,7 @@ def _plot(path: Path, title: str, methods: Sequence[str], columns: Sequence[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(columns), figsize=(3.2 * len(columns) + 1, 6), squeeze=False)
+    fig, axes = plt.subplots(2, len(columns), figsize=(max(3.2 * len(columns) + 1, 7.5), 6), squeeze=False)
     for j, col in enumerate(columns):
         for i, (key, label) in enumerate((("accuracy", "accuracy (%)"), ("psi", "Ψ (log)"))):
             stats = [mean_std([r[key] for r in rows if r["method"] == m and r["column"] == col] or [np.nan])
@@ -269,7 +269,7 @@ def _plot(path: Path, title: str, methods: Sequence[str], columns: Sequence[str]
                 ax.set_yscale("log")
             else:
                 ax.set_title(col, fontsize=9)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
