@@ -6,8 +6,10 @@ from callbacks.cluster_metrics import ClusterMetrics
 from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
 from callbacks.loss_reporting import LossReporting, NoisyLossReporting
 from callbacks.mia import MembershipInferenceAudit
+from callbacks.progress import RoundProgressBar
 from callbacks.sia import SourceInferenceAudit
 from callbacks.summary import ClientTableLogger, RunSummary
 
-__all__ = ["ClientTableLogger", "ClusterMetrics", "FederationCallback", "LossReporting", "NoisyLossReporting", "RDPAccounting",
-           "RunSummary", "MembershipInferenceAudit", "SourceInferenceAudit", "GlobalLossReporting", "NoisyGlobalLossReporting"]
+__all__ = ["ClientTableLogger", "ClusterMetrics", "FederationCallback", "GlobalLossReporting", "LossReporting",
+           "MembershipInferenceAudit", "NoisyGlobalLossReporting", "NoisyLossReporting", "RDPAccounting",
+           "RoundProgressBar", "RunSummary", "SourceInferenceAudit"]

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
 from fedfdp.errors import ConfigError, FedFDPError
@@ -111,6 +112,9 @@ class FedFDPCLI(LightningCLI):
         for default in (RunSummary, ClientTableLogger):
             if not any(isinstance(cb, default) for cb in callbacks):
                 callbacks.append(default())
+        if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
+                isinstance(cb, ProgressBar) for cb in callbacks):
+            callbacks.append(RoundProgressBar())
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
