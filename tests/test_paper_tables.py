@@ -52,7 +52,7 @@ def test_plan_covers_methods_columns_and_seeds(tmp_path):
     assert {r.column.label for r in runs} == {"FMNIST eps=1", "FMNIST eps=2", "FMNIST eps=3", "FMNIST eps=4"}
 
 
-def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, capsys):
+def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(REPO)
     configs = tmp_path / "configs"
     configs.mkdir()
@@ -73,6 +73,7 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, capsys):
     assert len((out / "table4.csv").read_text().splitlines()) == 3
     summary = json.loads((out / "table4" / "fmnist" / "fedfdp" / "seed0" / "summary.json").read_text())
     assert summary["rounds_run"] == 1
-    capsys.readouterr()
-    assert main(args) == 0  # everything finished: nothing is run again
-    assert "2 finished, 0 to run" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fedfdp.experiments.paper_tables"):
+        assert main(args) == 0  # everything finished: nothing is run again
+    assert "2 finished, 0 to run" in caplog.text

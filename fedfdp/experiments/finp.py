@@ -12,6 +12,8 @@ there; plus MIA AUC of the final global model, ε and seconds per round.
 
 from __future__ import annotations
 
+import logging
+
 import argparse
 import csv
 import json
@@ -23,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from fedfdp.privacy_metrics import convergence_round
+
+
+logger = logging.getLogger(__name__)
 
 CONFIG = "{config}"  # the dataset's FinP config (see DATASETS)
 DP_CONFIG = "configs/finp_fmnist_dp.yaml"
@@ -143,18 +148,19 @@ def run(args: argparse.Namespace) -> int:
         for seed in seeds:
             run_dir = out / name / f"seed{seed}"
             if finished(run_dir):
-                print(f"skip {name} seed {seed} (finished)")
+                logger.info("skip %s seed %s (finished)", name, seed)
                 continue
             cmd = command(name, seed, run_dir, args.rounds, args.dataset)
-            print(" ".join(cmd), flush=True)
-            if args.dry_run:
+            if args.dry_run:  # the dry run's output is the list of commands
+                print(" ".join(cmd))
                 continue
+            logger.info("%s", " ".join(cmd))
             start = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                print(f"FAILED {name} seed {seed}:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                logger.error("FAILED %s seed %s:\n%s", name, seed, proc.stderr[-3000:])
                 return proc.returncode
-            print(f"done {name} seed {seed} in {time.perf_counter() - start:.0f} s", flush=True)
+            logger.info("done %s seed %s in %.0f s", name, seed, time.perf_counter() - start)
     if args.dry_run:
         return 0
     lines = ["| Method | " + " | ".join(label for _, label in COLUMNS) + " |",

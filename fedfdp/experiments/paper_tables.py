@@ -11,6 +11,8 @@ column accuracy and Ψ = ``psi_paper``, mean ± std over seeds), a long-format C
 
 from __future__ import annotations
 
+import logging
+
 import argparse
 import csv
 import json
@@ -26,6 +28,9 @@ from typing import Any
 
 import numpy as np
 import yaml
+
+
+logger = logging.getLogger(__name__)
 
 DATASETS = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10"}
 NON_PRIVATE = [("FedAvg", "fedavg"), ("SCAFFOLD", "scaffold"), ("FedProx", "fedprox"), ("FedDyn", "feddyn"),
@@ -282,7 +287,7 @@ def run_table(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs = plan_runs(args.table, datasets, args.seeds, out, Path(args.config_dir), args.methods)
     todo = [r for r in runs if not r.done]
-    print(f"{args.table}: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run", flush=True)
+    logger.info("%s: %d runs, %d finished, %d to run", args.table, len(runs), len(runs) - len(todo), len(todo))
     failed = 0
     if not args.aggregate_only and todo:
         with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
@@ -290,8 +295,10 @@ def run_table(args: argparse.Namespace) -> int:
             for fut in futures:
                 run, code, wall = fut.result()
                 failed += code != 0
-                print(f"  {'ok ' if code == 0 else 'FAILED'} {run.run_dir} ({wall:.0f} s)"
-                      + ("" if code == 0 else f": see {run.run_dir / 'fit.log'}"), flush=True)
+                if code == 0:
+                    logger.info("ok %s (%.0f s)", run.run_dir, wall)
+                else:
+                    logger.error("FAILED %s (%.0f s): see %s", run.run_dir, wall, run.run_dir / "fit.log")
     rows = collect(runs)
     columns = list(dict.fromkeys(r.column.label for r in runs))
     methods = [label for label, _ in spec.methods if any(r.method == label for r in runs)]
