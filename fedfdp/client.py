@@ -121,7 +121,7 @@ class ClientModule(LightningModule):
         factors = batch.clip_rule(result.losses, result.norms)
         noisy = add_gaussian_noise(result.weighted_sum(factors), batch.noise_std, batch.generator)
         for param, grad in zip(self.trainable_parameters(), noisy):
-            param.grad = grad / batch.denominator
+            param.grad = grad.div_(batch.denominator)  # ``grad`` is a fresh tensor
         self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()

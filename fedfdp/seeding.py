@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -80,12 +81,38 @@ def rand(n: int, generator: RandomSource) -> torch.Tensor:
     return torch.rand(n, generator=generator, device=generator.device)
 
 
+_SPLIT_NORMALS_AT = 2**17
+"""CPU draws at least this large are generated in two halves on two threads (see :func:`randn`)."""
+
+_noise_worker: ThreadPoolExecutor | None = None
+
+
 def randn(shape: tuple[int, ...] | torch.Size, generator: RandomSource, *, dtype: torch.dtype = torch.float32,
           device: torch.device | str | None = None) -> torch.Tensor:
-    """Standard normal draws of ``shape``."""
+    """Standard normal draws of ``shape``.
+
+    On CPU, torch draws normals from one Mersenne Twister serially, which costs about as much as
+    the per-sample norms of a small CNN's DP step. Large draws are therefore split: the first half
+    comes from ``generator``, the second from a generator seeded by one 62-bit draw of
+    ``generator``, filled concurrently on a worker thread (torch releases the GIL). The split is
+    fixed (not tied to the thread count), so a seed gives the same noise on every machine.
+    """
+    global _noise_worker
     if isinstance(generator, SecureGenerator):
         return generator.normal(shape, dtype).to(device or generator.device)
-    return torch.randn(shape, generator=generator, dtype=dtype, device=device or generator.device)
+    device = torch.device(device or generator.device)
+    numel = math.prod(shape)
+    if device.type != "cpu" or numel < _SPLIT_NORMALS_AT:
+        return torch.randn(shape, generator=generator, dtype=dtype, device=device)
+    second = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    out = torch.empty(numel, dtype=dtype)
+    half = numel // 2
+    if _noise_worker is None:
+        _noise_worker = ThreadPoolExecutor(1, thread_name_prefix="fedfdp-noise")
+    pending = _noise_worker.submit(out[half:].normal_, generator=second)
+    out[:half].normal_(generator=generator)
+    pending.result()
+    return out.view(shape)
 
 
 def randperm(n: int, generator: RandomSource) -> torch.Tensor:

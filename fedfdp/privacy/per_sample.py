@@ -9,16 +9,20 @@ A private step needs, for a batch of per-sample losses ``ℓ_j``:
 :class:`GhostEngine` gets both from **one forward and one backward pass without materialising
 the per-sample gradients of the large layers** ("book-keeping" ghost clipping, Bu et al. 2023;
 Li et al. 2022). For a layer ``z = a Wᵀ + b`` applied at ``P`` positions (``P = 1`` for a
-linear layer on a vector, ``P = H'W'`` for a convolution on unfolded patches) the per-sample
-weight gradient is ``G_j = Σ_p b_{jp} a_{jp}ᵀ`` where ``b = ∂ℓ_j/∂z``. Its squared norm is either
+linear layer on a vector, ``P = H'W'`` for a convolution on input patches) the per-sample
+weight gradient is ``G_j = Σ_p b_{jp} a_{jp}ᵀ`` where ``b = ∂ℓ_j/∂z``. Its squared norm is
 
-* ``Σ_{p,p'} (a_{jp}·a_{jp'}) (b_{jp}·b_{jp'})`` (the "ghost norm": Gram matrices, cost ``P²(d_in+d_out)``), or
-* ``‖G_j‖²`` after materialising ``G_j`` (cost ``P·d_in·d_out``),
+* ``‖a_j‖²‖b_j‖²`` for a linear layer on vectors (``P = 1``);
+* ``Σ_{p,p'} (a_{jp}·a_{jp'}) (b_{jp}·b_{jp'})`` (the "ghost norm") for a linear layer on sequences
+  and for convolutions, where the patch Gram comes from the Gram of the *input* pixels (patches are
+  never built); or
+* ``‖G_j‖²`` after materialising ``G_j`` (cost ``P·d_in·d_out``) for convolutions where that is
+  cheaper (few input channels);
 
-whichever is cheaper for that layer, and the weighted sum is ``Σ_j s_j G_j = Σ_{j,p} s_j b_{jp} a_{jp}ᵀ``,
-computed directly from the stored activations and backprops: no second backward pass. The
-backward pass asks autograd only for the gradients of the layer *outputs*, so the weight
-gradients of a normal backward are never computed.
+and the weighted sum ``Σ_j s_j G_j = Σ_{j,p} s_j b_{jp} a_{jp}ᵀ`` is one matmul (linear), one
+read of the stored ``G_j``, or one convolution weight-gradient call on the output gradient scaled
+per sample: no second forward or backward pass. The backward pass asks autograd only for the
+gradients of the layer *outputs*, so the weight gradients of a normal backward are never computed.
 
 Opacus' hook-based ``GradSampleModule`` and ``torch.func.vmap`` materialise every per-sample
 gradient (7-9x and 5x a plain SGD step here, see ``benchmarks/local_step.py``); they remain
@@ -73,12 +77,14 @@ class GhostEngine:
     (no BatchNorm). :func:`make_engine` checks this and falls back to :class:`VmapEngine`.
     """
 
-    def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy) -> None:
+    def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy,
+                 conv_method: "ConvMethod" = "auto") -> None:
         problem = ghost_unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"GhostEngine cannot handle this model: {problem}")
         self.net = net
         self.loss_fn = loss_fn
+        self.conv_method = conv_method
         self.layers: list[nn.Module] = [
             m for m in net.modules() if isinstance(m, _GHOST_LAYERS) and _trainable(m)
         ]
@@ -102,7 +108,7 @@ class GhostEngine:
             raise RuntimeError("a layer ran more or less than once per forward pass (weight tying?)")
         outputs = [out for _, _, out in captured]
         backprops = torch.autograd.grad(losses.sum(), outputs)
-        factors = [_layer_factors(m, a, b) for (m, a, _), b in zip(captured, backprops)]
+        factors = [_layer_factors(m, a, b, self.conv_method) for (m, a, _), b in zip(captured, backprops)]
         sq_norms = torch.zeros(x.shape[0], device=x.device, dtype=losses.dtype)
         for f in factors:
             sq_norms += f.sq_norms
@@ -117,15 +123,33 @@ class GhostEngine:
         return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum)
 
 
+ConvMethod = Literal["auto", "materialize", "input_gram"]
+"""How a Conv2d layer's per-sample gradient norms are computed (see :func:`_conv_factors`)."""
+
+_CHUNK_BYTES = 8 * 2**20
+"""Working-set budget of one batch chunk on CPU: large per-sample intermediates are built chunk
+by chunk so that they stay in the last-level cache (up to 2x faster than one batch-wide buffer)."""
+
+_ACCELERATOR_CHUNK_BYTES = 512 * 2**20
+"""The same budget on accelerators, where it only bounds memory (bigger kernels are faster)."""
+
+
 @dataclass
 class _LayerFactors:
-    """Activations ``a`` (B, P, d_in) and backprops ``b`` (B, P, d_out) of one layer."""
+    """What one layer contributes: per-sample squared norms and a way to form ``Σ_j s_j G_j``.
+
+    Exactly one representation is kept: activations ``a`` / backprops ``b`` (B, P, d) of a Linear
+    layer, materialised per-sample weight gradients (B, d_out, d_in), or the conv input and output
+    gradient (weighted sum by one convolution weight-gradient call).
+    """
 
     module: nn.Module
-    a: Tensor | None
-    b: Tensor
+    b: Tensor  # backprops (B, P, d_out)
     sq_norms: Tensor
-    per_sample_weight: Tensor | None  # materialised G_j (B, d_out, d_in) when that was cheaper
+    a: Tensor | None = None  # Linear activations (B, P, d_in)
+    per_sample_weight: Tensor | None = None  # materialised G_j (B, d_out, d_in)
+    conv_input: Tensor | None = None  # Conv2d input (B, C_in, H, W) for the weight-gradient call
+    conv_backprop: Tensor | None = None  # Conv2d output gradient (B, C_out, H', W')
 
     def params(self) -> list[Tensor]:
         ps = [self.module.weight]
@@ -135,74 +159,149 @@ class _LayerFactors:
 
     def weighted(self, weights: Tensor) -> dict[int, Tensor]:
         weight = self.module.weight
+        w = weights.to(self.b.dtype)
         out: dict[int, Tensor] = {}
         if weight.requires_grad:
             if self.per_sample_weight is not None:
-                g = torch.einsum("b,boi->oi", weights.to(self.b.dtype), self.per_sample_weight)
+                g = (w @ self.per_sample_weight.flatten(1)).reshape(weight.shape)
+            elif self.conv_input is not None:
+                conv = self.module
+                assert isinstance(conv, nn.Conv2d) and self.conv_backprop is not None
+                # Σ_j s_j G_j is the ordinary weight gradient of the output gradient scaled per sample:
+                # one (oneDNN / cuDNN) convolution-backward call, no per-sample buffers.
+                g = torch.nn.grad.conv2d_weight(self.conv_input, weight.shape,
+                                                self.conv_backprop * w[:, None, None, None],
+                                                conv.stride, conv.padding, conv.dilation, conv.groups)
             else:
                 assert self.a is not None
-                sb = self.b * weights.to(self.b.dtype)[:, None, None]
-                g = torch.einsum("bpo,bpi->oi", sb, self.a)
-            out[id(weight)] = g.reshape(weight.shape)
+                g = torch.einsum("bpo,bpi->oi", self.b * w[:, None, None], self.a).reshape(weight.shape)
+            out[id(weight)] = g
         bias = self.module.bias
         if bias is not None and bias.requires_grad:
-            out[id(bias)] = torch.einsum("b,bo->o", weights.to(self.b.dtype), self.b.sum(1))
+            out[id(bias)] = w @ self.b.sum(1)
         return out
 
 
-def _conv_patches(x: Tensor, conv: nn.Conv2d) -> Tensor:
-    """Strided view of the conv input patches, shape (B, C_in, H', W', k_h, k_w), no copy.
-
-    Cheaper on CPU than ``F.unfold`` (im2col), which copies into a (B, C_in·k·k, P) buffer.
-    """
-    ph, pw = conv.padding  # type: ignore[misc]
-    if ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph))
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    patches = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
-    return patches[..., ::dh, ::dw]
-
-
-def _layer_factors(module: nn.Module, a: Tensor, b: Tensor) -> _LayerFactors:
-    """Per-sample squared gradient norms of one layer from its input ``a`` and output-gradient ``b``.
-
-    Materialises the per-sample weight gradients ``G_j`` when ``P·d_in·d_out ≤ P²(d_in+d_out)``,
-    otherwise uses the Gram-matrix ghost norm.
-    """
-    batch = a.shape[0]
+def _layer_factors(module: nn.Module, a: Tensor, b: Tensor, conv_method: ConvMethod = "auto") -> _LayerFactors:
+    """Per-sample squared gradient norms of one layer from its input ``a`` and output gradient ``b``."""
     if isinstance(module, nn.Conv2d):
-        patches = _conv_patches(a, module)  # (B, C_in, H', W', kh, kw)
-        d_out = b.shape[1]
-        positions = b.shape[2] * b.shape[3]
-        d_in = patches.shape[1] * patches.shape[4] * patches.shape[5]
-        if positions * (d_in + d_out) > d_in * d_out and module.weight.requires_grad:
-            per_sample_weight = torch.einsum("bohw,bchwij->bocij", b, patches).reshape(batch, d_out, d_in)
-            b_flat = b.reshape(batch, d_out, -1).transpose(1, 2)
-            return _finish(module, None, b_flat, per_sample_weight)
-        a = patches.permute(0, 2, 3, 1, 4, 5).reshape(batch, positions, d_in)
-        b = b.reshape(batch, d_out, -1).transpose(1, 2)
-    else:
-        a = a.reshape(batch, -1, a.shape[-1])
-        b = b.reshape(batch, -1, b.shape[-1])
-    return _finish(module, a, b, None)
-
-
-def _finish(module: nn.Module, a: Tensor | None, b: Tensor, per_sample_weight: Tensor | None) -> _LayerFactors:
-    """Squared norms from materialised ``G_j`` or from the ghost norm of ``(a, b)`` (B, P, d)."""
-    sq_norms = torch.zeros(b.shape[0], device=b.device, dtype=b.dtype)
-    if per_sample_weight is not None:
-        sq_norms = sq_norms + torch.linalg.vector_norm(per_sample_weight.flatten(1), dim=1).square()
-    elif module.weight.requires_grad:
-        assert a is not None
-        if a.shape[1] == 1:
+        return _conv_factors(module, a, b, conv_method)
+    batch = a.shape[0]
+    a = a.reshape(batch, -1, a.shape[-1])
+    b = b.reshape(batch, -1, b.shape[-1])
+    sq_norms = _bias_sq_norms(module, b)
+    if module.weight.requires_grad:
+        if a.shape[1] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
             sq_norms = sq_norms + a.square().sum((1, 2)) * b.square().sum((1, 2))
-        else:
+        else:  # ghost norm Σ_{p,p'} (a_p·a_p')(b_p·b_p')
             gram_a = torch.bmm(a, a.transpose(1, 2))
             gram_b = torch.bmm(b, b.transpose(1, 2))
             sq_norms = sq_norms + (gram_a * gram_b).sum((1, 2))
+    return _LayerFactors(module, b, sq_norms, a=a)
+
+
+def _bias_sq_norms(module: nn.Module, b: Tensor) -> Tensor:
+    """``‖Σ_p b_p‖²`` per sample when the layer has a trainable bias, else zeros; ``b`` is (B, P, d_out)."""
     if module.bias is not None and module.bias.requires_grad:
-        sq_norms = sq_norms + b.sum(1).square().sum(1)
-    return _LayerFactors(module, a, b, sq_norms, per_sample_weight)
+        return b.sum(1).square().sum(1)
+    return torch.zeros(b.shape[0], device=b.device, dtype=b.dtype)
+
+
+def _conv_factors(conv: nn.Conv2d, x: Tensor, grad_out: Tensor, method: ConvMethod) -> _LayerFactors:
+    """Per-sample squared norms of a Conv2d's weight gradient ``G_j = Σ_p b_{jp} u_{jp}ᵀ``.
+
+    ``u_{jp}`` is the input patch (``d_in = C·k_h·k_w``) at output position ``p`` (``P`` positions
+    of the ``Q``-pixel padded input). Two exact methods, chosen by cost unless forced:
+
+    * ``materialize``: build the patches chunk by chunk and ``G_j`` by a batched matmul
+      (``P·d_in·d_out`` per sample); the weighted sum then reads the stored ``G_j``.
+    * ``input_gram``: the ghost norm ``‖G_j‖² = Σ_{p,p'} (u_p·u_p')(b_p·b_p')`` where the patch Gram
+      ``u_p·u_p' = Σ_{i,j} M[p+(i,j), p'+(i,j)]`` is a sum of shifted windows of the *input* Gram
+      ``M = XᵀX`` (``Q²·C``; separable over the two kernel axes), so patches are never built;
+      the weighted sum is one convolution weight-gradient call with the scaled output gradient.
+    """
+    batch, d_out = grad_out.shape[:2]
+    positions = grad_out.shape[2] * grad_out.shape[3]
+    b_flat = grad_out.reshape(batch, d_out, positions).transpose(1, 2)  # (B, P, d_out)
+    sq_norms = _bias_sq_norms(conv, b_flat)
+    if not conv.weight.requires_grad:
+        return _LayerFactors(conv, b_flat, sq_norms)
+    padded = _pad_input(x, conv)
+    kh, kw = conv.kernel_size
+    c_in = x.shape[1]
+    d_in = c_in * kh * kw
+    pixels = padded.shape[2] * padded.shape[3]
+    if method == "auto":
+        materialize_cost = positions * d_in * d_out
+        gram_cost = pixels * pixels * c_in + positions * positions * d_out + materialize_cost // 3
+        method = "materialize" if materialize_cost <= gram_cost else "input_gram"
+    if method == "materialize":
+        per_sample_weight = _conv_per_sample_weights(padded, grad_out, conv)
+        sq_norms = sq_norms + torch.linalg.vector_norm(per_sample_weight.flatten(1), dim=1).square()
+        return _LayerFactors(conv, b_flat, sq_norms, per_sample_weight=per_sample_weight)
+    sq_norms = sq_norms + _conv_input_gram_sq_norms(padded, grad_out, conv)
+    return _LayerFactors(conv, b_flat, sq_norms, conv_input=x, conv_backprop=grad_out)
+
+
+def _pad_input(x: Tensor, conv: nn.Conv2d) -> Tensor:
+    ph, pw = conv.padding  # type: ignore[misc]
+    return F.pad(x, (pw, pw, ph, ph)) if ph or pw else x.contiguous()
+
+
+def _patches(padded: Tensor, conv: nn.Conv2d, out_hw: tuple[int, int]) -> Tensor:
+    """Strided view (B, C_in, k_h, k_w, H', W') of the input patches (no copy)."""
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    s_b, s_c, s_h, s_w = padded.stride()
+    return padded.as_strided((padded.shape[0], padded.shape[1], kh, kw, *out_hw),
+                             (s_b, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w))
+
+
+def _chunk_size(bytes_per_sample: int, device: torch.device) -> int:
+    budget = _CHUNK_BYTES if device.type == "cpu" else _ACCELERATOR_CHUNK_BYTES
+    return max(1, budget // max(1, bytes_per_sample))
+
+
+def _conv_per_sample_weights(padded: Tensor, grad_out: Tensor, conv: nn.Conv2d) -> Tensor:
+    """Materialised per-sample weight gradients (B, d_out, C_in·k_h·k_w), built chunk by chunk."""
+    batch, d_out, out_h, out_w = grad_out.shape
+    positions = out_h * out_w
+    d_in = padded.shape[1] * conv.kernel_size[0] * conv.kernel_size[1]
+    result = torch.empty(batch, d_out, d_in, device=grad_out.device, dtype=grad_out.dtype)
+    step = _chunk_size(positions * d_in * padded.element_size(), padded.device)
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        patches = _patches(padded[start:stop], conv, (out_h, out_w)).reshape(stop - start, d_in, positions)
+        torch.bmm(grad_out[start:stop].reshape(stop - start, d_out, positions), patches.transpose(1, 2),
+                  out=result[start:stop])
+    return result
+
+
+def _conv_input_gram_sq_norms(padded: Tensor, grad_out: Tensor, conv: nn.Conv2d) -> Tensor:
+    """``‖G_j‖²`` from the input Gram ``M`` and the output-gradient Gram (see :func:`_conv_factors`).
+
+    ``UU[h,w,h',w'] = Σ_{i,j} M[h·s_h + i·d_h, w·s_w + j·d_w, h'·s_h + i·d_h, w'·s_w + j·d_w]``,
+    summed first over ``j`` then over ``i`` (``k_h + k_w`` terms per entry instead of ``k_h·k_w``).
+    """
+    batch, d_out, out_h, out_w = grad_out.shape
+    c_in, in_h, in_w = padded.shape[1:]
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    step = _chunk_size((in_h * in_w) ** 2 * padded.element_size(), padded.device)
+    out = []
+    for start in range(0, batch, step):
+        n = min(batch, start + step) - start
+        x = padded[start:start + n].reshape(n, c_in, in_h * in_w)
+        gram = torch.bmm(x.transpose(1, 2), x).view(n, in_h, in_w, in_h, in_w)
+        # windowed sums as one strided reduction per kernel axis (faster than k shifted adds)
+        s = gram.stride()
+        by_cols = gram.as_strided((n, in_h, out_w, in_h, out_w, kw),
+                                  (s[0], s[1], sw * s[2], s[3], sw * s[4], dw * (s[2] + s[4]))).sum(-1)
+        s = by_cols.stride()
+        patch_gram = by_cols.as_strided((n, out_h, out_w, out_h, out_w, kh),
+                                        (s[0], sh * s[1], s[2], sh * s[3], s[4], dh * (s[1] + s[3]))).sum(-1)
+        b = grad_out[start:start + n].reshape(n, d_out, out_h * out_w)
+        grad_gram = torch.bmm(b.transpose(1, 2), b)
+        out.append((patch_gram.reshape(n, out_h * out_w, out_h * out_w) * grad_gram).sum((1, 2)))
+    return torch.cat(out)
 
 
 class VmapEngine:

@@ -24,7 +24,16 @@ def add_gaussian_noise(sums: list[Tensor], std: float, generator: RandomSource) 
     """
     if std == 0.0:
         return sums
-    return [s + std * randn(s.shape, generator, dtype=s.dtype, device=s.device) for s in sums]
+    if not sums:
+        return sums
+    # one draw for all parameters (large CPU draws are split over two threads, see ``randn``),
+    # scaled and added in place: one allocation and one pass per parameter
+    noise = randn((sum(s.numel() for s in sums),), generator, dtype=sums[0].dtype, device=sums[0].device)
+    noisy, offset = [], 0
+    for s in sums:
+        noisy.append(noise[offset:offset + s.numel()].view_as(s).mul_(std).add_(s))
+        offset += s.numel()
+    return noisy
 
 
 def batch_denominator(mode: NormalizeBy, *, sample_rate: float, dataset_size: int,

@@ -54,6 +54,54 @@ def test_ghost_engine_on_fedavg_cnn_matches_microbatch():
     torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(c_in=st.integers(1, 3), c_out=st.integers(1, 4), kh=st.integers(1, 3), kw=st.integers(1, 3),
+       stride=st.tuples(st.integers(1, 2), st.integers(1, 2)), dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+       padding=st.tuples(st.integers(0, 2), st.integers(0, 2)), bias=st.booleans(), frozen_weight=st.booleans(),
+       height=st.integers(5, 9), width=st.integers(5, 9), batch=st.integers(1, 5), seed=st.integers(0, 10_000),
+       method=st.sampled_from(["materialize", "input_gram", "auto"]))
+def test_conv_methods_match_microbatch_for_any_geometry(c_in, c_out, kh, kw, stride, dilation, padding, bias,
+                                                        frozen_weight, height, width, batch, seed, method):
+    """Every Conv2d norm method is exact (vs one backward per sample) for any kernel, stride, dilation, padding."""
+    torch.manual_seed(seed)
+    conv = nn.Conv2d(c_in, c_out, (kh, kw), stride=stride, dilation=dilation, padding=padding, bias=bias)
+    out_h = (height + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if out_h < 1 or out_w < 1:
+        return
+    conv.weight.requires_grad_(not frozen_weight)
+    net = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(c_out * out_h * out_w, 3))
+    x, y = torch.randn(batch, c_in, height, width), torch.randint(0, 3, (batch,))
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    rows = []
+    for j in range(batch):
+        grads = torch.autograd.grad(per_sample_cross_entropy(net(x[j:j + 1]), y[j:j + 1]).sum(), trainable)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    ref = torch.stack(rows)
+    result = GhostEngine(net, conv_method=method).compute(x, y)
+    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
+    weights = torch.randn(batch)
+    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+    torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["materialize", "input_gram"])
+def test_conv_methods_exact_on_fedavg_cnn_across_chunks(method, monkeypatch):
+    """Batches split into several cache-sized chunks give the same norms and sums as one pass."""
+    import fedfdp.privacy.per_sample as per_sample
+
+    torch.manual_seed(2)
+    net = FedAvgCNN()
+    x, y = torch.randn(5, 1, 28, 28), torch.randint(0, 10, (5,))
+    ref = microbatch_grads(net, x, y)
+    monkeypatch.setattr(per_sample, "_CHUNK_BYTES", 1)  # one sample per chunk
+    result = GhostEngine(net, conv_method=method).compute(x, y)
+    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
+    weights = torch.rand(5)
+    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+    torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
+
+
 def test_empty_batch_gives_zero_sum():
     net = TinyConvNet()
     result = GhostEngine(net).compute(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long))
