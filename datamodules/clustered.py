@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from datamodules.cifar10 import TEST_BATCH, TRAIN_BATCHES, find_cifar10_dir, read_cifar10_batch
-from datamodules.federated import FederatedDataModule, check_fields
+from datamodules.federated import ClientSplits, FederatedDataModule, check_fields
 from datamodules.idx import load_idx_dataset
 from fedfdp.errors import ConfigError
 
@@ -117,7 +117,7 @@ class ClusteredDataModule(FederatedDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load, sample every client's data, apply its cluster's shift, normalise (once)."""
-        if self._splits is not None:
+        if self._store is not None:
             return
         x, y = self._merged_arrays()
         self._indices = self._client_indices(len(y), np.random.default_rng(self.partition_seed))
@@ -126,7 +126,7 @@ class ClusteredDataModule(FederatedDataModule):
             k = int(self.client_cluster[cid])
             train.append(self._shifted(self._client_tensors(x, y, tr), k))
             test.append(self._shifted(self._client_tensors(x, y, te), k))
-        self._splits = (train, test)
+        self._store = (ClientSplits.from_clients(train), ClientSplits.from_clients(test))
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         logger.info("%s: %d clients in clusters %s (%s shift, %s sampling), %d/%d samples each",

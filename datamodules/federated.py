@@ -2,8 +2,10 @@
 
 Pipeline of :meth:`FederatedDataModule.setup`: load arrays → optionally merge the official
 train and test splits → check labels and image shape → partition (Dirichlet label skew or IID,
-``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test →
-normalise ``(x / 255 - mean) / std`` per client into contiguous float32 tensors.
+``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test → store each split once, grouped by client, in
+the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
+memory). ``(x / 255 - mean) / std`` is applied when a client's slice or an evaluation batch is read,
+so memory is the raw dataset once, whatever the number of clients.
 
 The module deliberately defines no ``*_dataloader`` hooks: the federation builds its own
 per-client loaders from :meth:`client_train` / :meth:`client_test`.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning as L
@@ -30,9 +33,58 @@ from fedfdp.errors import ConfigError, DataError, require
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FederatedDataModule", "check_fields"]
+__all__ = ["ClientSplits", "FederatedDataModule", "check_fields"]
 
 Split = tuple[Tensor, Tensor]
+
+
+class ClientSplits:
+    """One split (train or test) of every client, stored once and grouped by client.
+
+    ``x`` keeps the dtype it was loaded in; ``normalize`` maps a raw slice to the model's float32
+    input. A client's data is the contiguous slice ``offsets[c]:offsets[c+1]``, read on demand,
+    so nothing per client is allocated up front (10,000 clients cost 10,000 offsets).
+
+    Args:
+        x: raw samples of all clients, grouped by client.
+        y: int64 labels in the same order.
+        sizes: samples per client.
+        normalize: raw slice -> float32 model input (identity for already-normalised data).
+    """
+
+    def __init__(self, x: Tensor, y: Tensor, sizes: np.ndarray, normalize: Callable[[Tensor], Tensor]) -> None:
+        self.x, self.y, self.normalize = x, y, normalize
+        self.offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+        if self.offsets[-1] != len(y) or len(x) != len(y):
+            raise DataError(f"client sizes sum to {self.offsets[-1]} but there are {len(x)} samples and "
+                            f"{len(y)} labels")
+
+    @classmethod
+    def from_clients(cls, splits: list[Split]) -> ClientSplits:
+        """Group already-normalised per-client ``(x, y)`` pairs (one copy, then the list can go)."""
+        sizes = np.array([len(yc) for _, yc in splits], dtype=np.int64)
+        if not splits:
+            raise DataError("no clients")
+        return cls(torch.cat([xc for xc, _ in splits]), torch.cat([yc for _, yc in splits]), sizes, _identity)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Samples per client."""
+        return np.diff(self.offsets)
+
+    def client(self, cid: int) -> Split:
+        """Client ``cid``'s normalised ``(x, y)``."""
+        start, stop = int(self.offsets[cid]), int(self.offsets[cid + 1])
+        return self.normalize(self.x[start:stop]), self.y[start:stop]
+
+    def client_ids(self) -> Tensor:
+        """The int64 client id of every sample."""
+        return torch.repeat_interleave(torch.arange(len(self.offsets) - 1, dtype=torch.int64),
+                                       torch.from_numpy(self.sizes))
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
 
 
 def _is_int(value: object, minimum: int) -> bool:
@@ -120,10 +172,9 @@ class FederatedDataModule(L.LightningDataModule):
         self.download = download
         self.train_sizes = np.zeros(0, dtype=np.int64)
         self.test_sizes = np.zeros(0, dtype=np.int64)
-        self._splits: tuple[list[Split], list[Split]] | None = None
+        self._store: tuple[ClientSplits, ClientSplits] | None = None
         self._indices: list[tuple[np.ndarray, np.ndarray]] = []
         self._input_shape: tuple[int, int, int] | None = None
-        self._pooled: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._pending_state: dict[str, Any] | None = None
 
     def load_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -138,7 +189,7 @@ class FederatedDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
         """Load, partition, split and normalise the data once (later calls do nothing)."""
-        if self._splits is not None:
+        if self._store is not None:
             return
         x, y = self._merged_arrays()
         rng = np.random.default_rng(self.partition_seed)
@@ -150,8 +201,8 @@ class FederatedDataModule(L.LightningDataModule):
             self._indices = [train_test_split_indices(p, self.train_fraction, rng) for p in parts]
         except ConfigError as exc:  # partition messages start with the argument name
             raise ConfigError(f"data.{exc}") from exc
-        train = [self._client_tensors(x, y, tr) for tr, _ in self._indices]
-        self._splits = (train, [self._client_tensors(x, y, te) for _, te in self._indices])
+        self._store = (self._grouped(x, y, [tr for tr, _ in self._indices]),
+                       self._grouped(x, y, [te for _, te in self._indices]))
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         logger.info(
@@ -192,27 +243,43 @@ class FederatedDataModule(L.LightningDataModule):
             accepted = expected or (len(self.mean), "H", "W")
             raise DataError(f"{where}: images must be (C, H, W) = {accepted}, got {shape}")
 
+    def _grouped(self, x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> ClientSplits:
+        """Gather the clients' samples ``parts`` into one raw block grouped by client."""
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        sizes = np.array([len(p) for p in parts], dtype=np.int64)
+        raw = torch.from_numpy(np.ascontiguousarray(x[order]))
+        if raw.dtype != torch.uint8:
+            raw = raw.to(torch.float32)
+        return ClientSplits(raw, torch.from_numpy(y[order].astype(np.int64)), sizes, self.normalize)
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """Raw samples -> float32 model input: ``(x / 255 - mean) / std`` (no ``/ 255`` for float data)."""
+        out = x.to(torch.float32)
+        if x.dtype == torch.uint8:
+            out = out.div_(255.0)
+        mean = torch.tensor(self.mean, device=x.device).view(-1, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(-1, 1, 1)
+        return out.sub_(mean).div_(std) if out is not x else (out - mean) / std
+
     def _client_tensors(self, x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         """Gather one client's samples into a normalised contiguous float32 / int64 pair."""
-        xs = torch.from_numpy(x[idx]).to(torch.float32)
-        if x.dtype == np.uint8:
-            xs.div_(255.0)
-        xs.sub_(torch.tensor(self.mean).view(-1, 1, 1)).div_(torch.tensor(self.std).view(-1, 1, 1))
-        return xs.contiguous(), torch.from_numpy(y[idx].astype(np.int64))
+        raw = torch.from_numpy(np.ascontiguousarray(x[idx]))
+        return self.normalize(raw if raw.dtype == torch.uint8 else raw.to(torch.float32)).contiguous(), \
+            torch.from_numpy(y[idx].astype(np.int64))
 
     # ------------------------------------------------------------------ public API
-    def _split(self, which: int) -> list[Split]:
-        """Per-client train (0) or test (1) tensors; RuntimeError before setup()."""
-        if self._splits is None:
+    def _split(self, which: int) -> ClientSplits:
+        """Every client's train (0) or test (1) data; RuntimeError before setup()."""
+        if self._store is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must be called before accessing client data")
-        return self._splits[which]
+        return self._store[which]
 
     def _client(self, which: int, cid: int) -> Split:
         """Client ``cid``'s train (0) or test (1) split after range-checking ``cid``."""
         splits = self._split(which)
         if not _is_int(cid, 0) or cid >= self.num_clients:
             raise IndexError(f"client id must be in [0, {self.num_clients}), got {cid!r}")
-        return splits[cid]
+        return splits.client(cid)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -238,29 +305,31 @@ class FederatedDataModule(L.LightningDataModule):
         """Client ``cid``'s test split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""
         return self._client(1, cid)
 
-    def _pool(self, which: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Concatenate every client's train (0) or test (1) split once, with int64 client ids."""
-        if which not in self._pooled:
-            splits = self._split(which)
-            sizes = torch.tensor([len(yc) for _, yc in splits], dtype=torch.int64)
-            self._pooled[which] = (
-                torch.cat([xc for xc, _ in splits]),
-                torch.cat([yc for _, yc in splits]),
-                torch.repeat_interleave(torch.arange(self.num_clients, dtype=torch.int64), sizes),
-            )
-        return self._pooled[which]
+    def pooled_raw(self, split: Literal["train", "test"]) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """Every client's ``split`` as stored: ``(raw x, y, client_id, normalize)``, no copy of x.
+
+        Evaluation reads batches of the raw block and normalises each batch, so a pass over all
+        clients costs one batch of float32 memory, not a float32 copy of the split.
+        """
+        store = self._split(0 if split == "train" else 1)
+        return store.x, store.y, store.client_ids(), store.normalize
 
     def pooled_train(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Union of all client train splits: ``(x, y, client_id)``, built once and cached."""
-        return self._pool(0)
+        """Union of all client train splits, normalised: ``(x, y, client_id)`` (a new float32 tensor)."""
+        store = self._split(0)
+        return store.normalize(store.x), store.y, store.client_ids()
 
     def pooled_test(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Union of all client test splits (the "server test set"): ``(x, y, client_id)``, cached."""
-        return self._pool(1)
+        """Union of all client test splits (the "server test set"), normalised: ``(x, y, client_id)``."""
+        store = self._split(1)
+        return store.normalize(store.x), store.y, store.client_ids()
 
     def label_histogram(self) -> np.ndarray:
         """Per-client label counts of the train splits, int64 ``(num_clients, num_classes)``."""
-        return np.stack([torch.bincount(yc, minlength=self.num_classes).numpy() for _, yc in self._split(0)])
+        store = self._split(0)
+        counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
+        np.add.at(counts, (store.client_ids().numpy(), store.y.numpy()), 1)
+        return counts
 
     # ------------------------------------------------------------------ resume safety
     def partition_config(self) -> dict[str, Any]:
@@ -284,7 +353,7 @@ class FederatedDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise DataError unless a checkpoint's partition equals this one (checked after setup)."""
-        if self._splits is None:
+        if self._store is None:
             self._pending_state = dict(state_dict)
             return
         if "fingerprint" not in state_dict:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datamodules.federated import FederatedDataModule, check_fields
+from datamodules.federated import ClientSplits, FederatedDataModule, check_fields
 from datamodules.partition import train_test_split_indices
 from fedfdp.errors import DataError
 
@@ -99,7 +99,7 @@ class HARDataModule(FederatedDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load, choose subjects, split each subject's windows into train/test (once)."""
-        if self._splits is not None:
+        if self._store is not None:
             return
         x, y, subj = self.load_windows()
         subjects = np.unique(subj)
@@ -113,8 +113,8 @@ class HARDataModule(FederatedDataModule):
         windows = torch.from_numpy(np.ascontiguousarray(x[:, :, None, :], dtype=np.float32))
         labels = torch.from_numpy(y.astype(np.int64))
         self._input_shape = (int(x.shape[1]), 1, int(x.shape[2]))
-        self._splits = tuple([(windows[idx].contiguous(), labels[idx]) for idx in parts]  # type: ignore[assignment]
-                             for parts in zip(*self._indices))
+        self._store = tuple(ClientSplits.from_clients([(windows[idx], labels[idx]) for idx in parts])  # type: ignore[assignment]
+                            for parts in zip(*self._indices))
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         if self._pending_state is not None:

@@ -1,8 +1,9 @@
 """Seeded synthetic class-conditional images for fast tests and smoke runs (no files needed).
 
 Each class ``k`` has a random prototype image ``m_k ~ U(0, 1)``; a sample of class ``k`` is
-``clip(m_k + 0.3 * N(0, I), 0, 1)``. Classes are balanced, so a small CNN (or even a linear
-model) separates them easily.
+``clip(m_k + 0.3 * N(0, I), 0, 1)``, stored as ``uint8`` like a real image dataset (generated in
+chunks, so 10,000 clients' worth of images never exist as float32). Classes are balanced, so a
+small CNN (or even a linear model) separates them easily.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datamodules.federated import FederatedDataModule, check_fields
 __all__ = ["SyntheticDataModule"]
 
 _NOISE_STD = 0.3
+_CHUNK = 8192
 
 
 def _int_at_least(value: object, minimum: int) -> bool:
@@ -65,12 +67,16 @@ class SyntheticDataModule(FederatedDataModule):
         self.expected_input_shape = self.image_shape
 
     def load_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Generate ``(images float32 in [0, 1] (N, C, H, W), labels int64, None, None)``."""
+        """Generate ``(images uint8 (N, C, H, W), labels int64, None, None)``."""
         rng = np.random.default_rng(self.seed)
         prototypes = rng.uniform(0.0, 1.0, size=(self.num_classes, *self.image_shape)).astype(np.float32)
         labels = rng.permutation(np.arange(self.num_samples, dtype=np.int64) % self.num_classes)
-        noise = rng.standard_normal(size=(self.num_samples, *self.image_shape), dtype=np.float32)
-        images = np.clip(prototypes[labels] + _NOISE_STD * noise, 0.0, 1.0)
+        images = np.empty((self.num_samples, *self.image_shape), dtype=np.uint8)
+        for start in range(0, self.num_samples, _CHUNK):  # same stream as one draw, less memory
+            stop = min(self.num_samples, start + _CHUNK)
+            noise = rng.standard_normal(size=(stop - start, *self.image_shape), dtype=np.float32)
+            chunk = np.clip(prototypes[labels[start:stop]] + _NOISE_STD * noise, 0.0, 1.0)
+            images[start:stop] = np.rint(chunk * 255.0)
         return images, labels, None, None
 
     def partition_config(self) -> dict[str, Any]:

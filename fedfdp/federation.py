@@ -284,20 +284,23 @@ class Federation(LightningModule):
         return {**scalars, **extra}
 
     def _evaluate_split(self, split: str) -> dict[str, torch.Tensor]:
-        """One pooled pass per evaluation model (one in total for a single global model)."""
-        x, y, cid = (t.to(self.device) for t in
-                     (self.datamodule.pooled_test() if split == "test" else self.datamodule.pooled_train()))
+        """One pooled pass per evaluation model (one in total for a single global model).
+
+        The pooled split is read in its stored (compact) form and normalised batch by batch.
+        """
+        x, y, cid, normalize = self.datamodule.pooled_raw("test" if split == "test" else "train")
+        x, y, cid = (t.to(self.device) for t in (x, y, cid))
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
         groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
         if len(groups) == 1 and len(groups[0][0]) == self.num_clients:
             model = self.global_model if groups[0][1] is global_params else self._load_eval(groups[0][1])
             return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
-                                       self.eval_batch_size)
+                                       self.eval_batch_size, transform=normalize)
         totals: dict[str, torch.Tensor] = {}
         for client_ids, params in groups:
             mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))
             part = evaluate_clientwise(self._load_eval(params), self.client.per_sample_loss, x[mask], y[mask],
-                                       cid[mask], self.num_clients, self.eval_batch_size)
+                                       cid[mask], self.num_clients, self.eval_batch_size, transform=normalize)
             for key in ("correct", "count", "loss_sum"):
                 totals[key] = totals.get(key, 0) + part[key]
         count = totals["count"].clamp(min=1)

@@ -8,7 +8,7 @@ per client.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,14 +109,19 @@ def fairness_summary(accuracy: Tensor, loss: Tensor, weights: Tensor, prefix: st
 
 @torch.no_grad()
 def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,
-                        num_clients: int, batch_size: int = 4096) -> dict[str, Tensor]:
-    """One pass of ``model`` over pooled data tagged by client; per-client accuracy and loss."""
+                        num_clients: int, batch_size: int = 4096,
+                        transform: Callable[[Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+    """One pass of ``model`` over pooled data tagged by client; per-client accuracy and loss.
+
+    ``transform`` (e.g. the datamodule's normalisation of raw ``uint8`` images) is applied per
+    batch, so the pooled data can stay in its compact stored form.
+    """
     metric = ClientwiseMetrics(num_clients).to(x.device)
     was_training = model.training
     model.eval()
     for start in range(0, y.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        logits = model(x[sl])
+        logits = model(x[sl] if transform is None else transform(x[sl]))
         metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
     model.train(was_training)
     return metric.compute()

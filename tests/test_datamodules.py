@@ -214,12 +214,16 @@ def test_datamodule_reads_tiny_files(tmp_path: Path) -> None:
         assert y.dtype == torch.int64 and len(yt) == dm.test_sizes[cid] and xt.shape[1:] == x.shape[1:]
         assert -1.0 <= float(x.min()) and float(x.max()) <= 1.0
     x, y, cid = dm.pooled_test()
-    assert dm.pooled_test()[0] is x  # cached
+    raw, raw_y, raw_cid, normalize = dm.pooled_raw("test")
+    assert raw.dtype == torch.uint8 and raw.shape == x.shape  # stored once, compactly; normalised on read
+    assert torch.equal(normalize(raw), x) and torch.equal(raw_y, y) and torch.equal(raw_cid, cid)
     np.testing.assert_array_equal(torch.bincount(cid).numpy(), dm.test_sizes)
     assert torch.equal(x[cid == 2], dm.client_test(2)[0]) and torch.equal(y[cid == 2], dm.client_test(2)[1])
     assert len(dm.pooled_train()[1]) == dm.train_sizes.sum()
     hist = dm.label_histogram()
     assert hist.shape == (4, 10) and np.array_equal(hist.sum(1), dm.train_sizes)
+    for c in range(4):
+        np.testing.assert_array_equal(hist[c], torch.bincount(dm.client_train(c)[1], minlength=10).numpy())
 
 
 def test_normalisation_values(tmp_path: Path) -> None:
@@ -244,9 +248,9 @@ def test_setup_is_idempotent_and_deterministic(tmp_path: Path) -> None:
     write_dataset(tmp_path, gz=True)
     dm = make_dm(tmp_path)
     dm.setup()
-    first = dm.client_train(0)[0]
+    first = dm.pooled_raw("train")[0]
     dm.setup()
-    assert dm.client_train(0)[0] is first
+    assert dm.pooled_raw("train")[0] is first
     other = make_dm(tmp_path)
     other.setup()
     assert other.state_dict() == dm.state_dict()
