@@ -139,7 +139,8 @@ class NoisyLossReporting(LossReporting):
                      updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
         """Log ``psi_code`` and the mean loss clip bound."""
         super().on_round_end(trainer, federation, context, updates, metrics)
-        metrics["loss_bound_mean"] = sum(self.bound(c) for c in range(federation.num_clients)) / federation.num_clients
+        n = federation.num_clients  # clients never sampled still hold the initial bound
+        metrics["loss_bound_mean"] = (sum(self.bounds.values()) + (n - len(self.bounds)) * self.loss_bound) / n
 
     def state_dict(self) -> dict[str, Any]:
         """The per-client loss bounds."""

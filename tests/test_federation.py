@@ -90,6 +90,20 @@ def test_every_release_is_charged_to_the_accountant():
         assert acct.ledgers[cid].epsilon(1e-5) == pytest.approx(epsilon_of(expected, 1e-5))
 
 
+def test_cached_epsilon_is_the_max_over_ledgers_with_sampled_clients_and_after_restore():
+    """ε is refreshed only for the round's clients; it must still equal a fresh max over every ledger."""
+    acct = RDPAccounting(delta=1e-5)
+    fed, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), acct], rounds=5, clients_per_round=2,
+                            data=tiny_data(num_clients=6))
+    fresh = {cid: led.epsilon(1e-5) for cid, led in acct.ledgers.items()}
+    assert 2 <= len(fresh) <= 6 and len({round(e, 9) for e in fresh.values()}) >= 1
+    assert acct.epsilon() == max(fresh.values())
+    assert all(acct.client_epsilon(c) == fresh.get(c, 0.0) for c in range(6))
+    restored = RDPAccounting(delta=1e-5)
+    restored.load_state_dict(acct.state_dict())
+    assert restored.epsilon() == acct.epsilon() and restored.budgeted_epsilon() == acct.budgeted_epsilon()
+
+
 def test_budget_stops_the_run_and_is_never_exceeded():
     target = 6.0
     acct = RDPAccounting(target_epsilon=target, delta=1e-5)
