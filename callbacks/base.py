@@ -14,7 +14,7 @@ they are charged to the accountant) and before the server reads anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning.pytorch import Callback, Trainer
 
@@ -27,7 +27,15 @@ if TYPE_CHECKING:
 
 
 class FederationCallback(Callback):
-    """Base class of callbacks with federation hooks; every hook is a no-op by default."""
+    """Base class of callbacks with federation hooks; every hook is a no-op by default.
+
+    With several processes (:mod:`fedfdp.distributed`) ``on_client_update`` runs only on the
+    process that trained the client, every other hook on every process with all uploads. State
+    kept across rounds must therefore be updated from the uploads (``on_before_aggregate``), not
+    in ``on_client_update``; a callback that cannot do that sets ``supports_distributed = False``.
+    """
+
+    supports_distributed: ClassVar[bool] = True
 
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
         """An upper bound on the number of rounds this callback allows (None: no bound)."""

@@ -129,11 +129,21 @@ class NoisyLossReporting(LossReporting):
                                       denominator=denominator, generator=gen)
         update.reported_loss = released
         update.dp_events.extend(self.planned_dp_events(federation, data.client_id))
-        self.bounds[data.client_id] = next_loss_bound(self.loss_clip_rule, released=released, initial=self.loss_bound,
-                                                      scale=self.bound_scale, floor=self.bound_floor)
         update.diagnostics["loss_bound"] = bound
         if losses.numel():  # the code's Ψ input: raw (non-noisy) batch loss; simulation-only diagnostic
             update.diagnostics["local_loss"] = float(losses.mean())
+
+    def on_before_aggregate(self, trainer: Trainer, federation: Federation, updates: list[ClientUpdate]) -> None:
+        """Adapt each uploading client's bound from its released loss (Eq. 15; public: post-processing).
+
+        Done here rather than at the release so that, with several processes, every process holds
+        every client's bound.
+        """
+        for update in updates:
+            assert update.reported_loss is not None
+            self.bounds[update.client_id] = next_loss_bound(self.loss_clip_rule, released=update.reported_loss,
+                                                            initial=self.loss_bound, scale=self.bound_scale,
+                                                            floor=self.bound_floor)
 
     def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
                      updates: list[ClientUpdate], metrics: dict[str, float]) -> None:

@@ -50,6 +50,8 @@ class SourceInferenceAudit(FederationCallback):
         write_json: write ``sia.json`` (per-round per-client accuracies) next to ``summary.json``.
     """
 
+    supports_distributed = False  # each process would hold only its own clients' target losses
+
     def __init__(self, *, num_samples: int = 100, include_test_records: bool = False, every_n_rounds: int = 1,
                  eval_batch_size: int = 2048, write_json: bool = True) -> None:
         require(num_samples >= 1, f"SourceInferenceAudit.num_samples must be >= 1, got {num_samples}")

@@ -66,7 +66,8 @@ class RunSummary(FederationCallback):
         if self.best_accuracy is None or acc > self.best_accuracy:
             self.best_accuracy, self.best_round = acc, result.round
         self.history.append({"round": result.round, **result.scalars})
-        write_json_atomic(self._path(trainer), self.summary(trainer, federation, result))
+        if trainer.is_global_zero:  # several processes hold the same results; one writes them
+            write_json_atomic(self._path(trainer), self.summary(trainer, federation, result))
 
     def summary(self, trainer: Trainer, federation: Federation, result: EvaluationResult) -> dict[str, Any]:
         """The summary dictionary for the latest evaluation."""
@@ -97,6 +98,8 @@ class RunSummary(FederationCallback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Write the run report (plots need the CSV metrics, flushed by the loggers at the end)."""
+        if not trainer.is_global_zero:
+            return
         path = self._path(trainer)
         logger.info("summary written to %s", path)
         if self.report and path.exists():

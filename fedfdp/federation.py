@@ -26,11 +26,12 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch.nn.utils import parameters_to_vector
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.base import FederationCallback
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
+from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
 from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
 from fedfdp.privacy.accounting import DPEvent
@@ -49,17 +50,18 @@ def _server_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1.0)
 
 
-class _Rounds(Dataset):
-    """The training "data" of the federation: one item per round (its index)."""
+class _Rounds(IterableDataset):
+    """The training "data" of the federation: one item per round (its index).
+
+    Iterable, so that under a distributed strategy Lightning does not shard the *rounds* across
+    processes with a ``DistributedSampler``: every process takes part in every round.
+    """
 
     def __init__(self, num_rounds: int) -> None:
         self.num_rounds = num_rounds
 
-    def __len__(self) -> int:
-        return self.num_rounds
-
-    def __getitem__(self, index: int) -> int:
-        return index
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.num_rounds))
 
 
 class Federation(LightningModule):
@@ -136,6 +138,7 @@ class Federation(LightningModule):
                 raise ConfigError(
                     f"{type(self.algorithm).__name__} needs a callbacks.{required.__name__} in trainer.callbacks "
                     f"(it privatises/accounts or provides what the algorithm releases)")
+        self._check_distributed(callbacks)
         self.algorithm.setup(self)
         limits = [lim for cb in callbacks if (lim := cb.max_rounds(self.trainer, self)) is not None]
         if self.num_rounds is not None:
@@ -149,6 +152,29 @@ class Federation(LightningModule):
         self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds
         logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
                     type(self.algorithm).__name__)
+
+    def _check_distributed(self, callbacks: list[FederationCallback]) -> None:
+        """Several processes need a strategy that does not all-reduce gradients, and parts that allow it."""
+        from lightning.pytorch.strategies import ParallelStrategy
+
+        from fedfdp.distributed import FederatedDDPStrategy
+
+        world = self.trainer.world_size
+        if world == 1:
+            return
+        if not isinstance(self.trainer.strategy, FederatedDDPStrategy):
+            if isinstance(self.trainer.strategy, ParallelStrategy):
+                raise ConfigError(f"trainer.strategy must be 'federated_ddp' for {world} processes, got "
+                                  f"{type(self.trainer.strategy).__name__} (it would all-reduce the clients' "
+                                  f"local gradients)")
+            return
+        if not self.algorithm.supports_distributed:
+            raise ConfigError(f"{type(self.algorithm).__name__} keeps per-client state on the process that trains "
+                              f"the client and cannot run on {world} processes; use trainer.devices: 1")
+        for cb in callbacks:
+            if not cb.supports_distributed:
+                raise ConfigError(f"callbacks.{type(cb).__name__} cannot run on {world} processes; "
+                                  f"use trainer.devices: 1")
 
     def train_dataloader(self) -> DataLoader:
         """One item per round; the round index itself is ``global_step``."""
@@ -220,19 +246,26 @@ class Federation(LightningModule):
         self._call("on_round_start", context, client_ids)
 
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
-        updates: list[ClientUpdate] = []
-        for cid in client_ids:
+        rank, world = rank_and_world()
+        local: list[ClientUpdate] = []
+        for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
             self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
             data = self.client_data(cid)
             generator = self.generator("client", round_idx, cid)
             update = self.algorithm.local_update(self.client, data, context, generator)
             self._call("on_client_update", self.client, data, update)
+            local.append(update)
+        # one exchange per round; afterwards every process holds every upload in client order and
+        # runs the same accounting, aggregation and server step
+        order = {cid: k for k, cid in enumerate(client_ids)}
+        updates = sorted(gather_updates(local), key=lambda u: order[u.client_id])
+        for update in updates:
+            update.params = update.params.to(self.device)
             if not torch.isfinite(update.params).all() or (
                     update.reported_loss is not None and not math.isfinite(update.reported_loss)):
-                raise DivergenceError(f"round {round_idx + 1}: client {cid} produced a non-finite model or loss "
-                                      f"(diverged; lower algorithm.lr?); the last checkpoint and summary.json "
-                                      f"are kept")
-            updates.append(update)
+                raise DivergenceError(f"round {round_idx + 1}: client {update.client_id} produced a non-finite "
+                                      f"model or loss (diverged; lower algorithm.lr?); the last checkpoint and "
+                                      f"summary.json are kept")
         self._call("on_before_aggregate", updates)
 
         target = self.algorithm.aggregate(global_params, updates, context)
@@ -289,6 +322,9 @@ class Federation(LightningModule):
         The pooled split is read in its stored (compact) form and normalised batch by batch.
         """
         x, y, cid, normalize = self.datamodule.pooled_raw("test" if split == "test" else "train")
+        rank, world = rank_and_world()
+        if world > 1:  # each process evaluates a shard; torchmetrics sums the counts across processes
+            x, y, cid = x[rank::world], y[rank::world], cid[rank::world]
         x, y, cid = (t.to(self.device) for t in (x, y, cid))
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
         groups = self.algorithm.evaluation_groups(global_params, self.num_clients)

@@ -79,6 +79,8 @@ class FedFDPCLI(LightningCLI):
         config = self.config
         if config.get("run_dir"):
             return Path(config["run_dir"])
+        if _is_launched_process() and os.environ.get(_RUN_DIR_ENV):
+            return Path(os.environ[_RUN_DIR_ENV])  # the directory the launching process chose
         configs = config.get("config") or []
         stem = Path(str(configs[-1])).stem if configs else "run"
         return Path("runs") / stem / time.strftime("%Y%m%d-%H%M%S")
@@ -98,7 +100,9 @@ class FedFDPCLI(LightningCLI):
         except OSError as err:
             raise ConfigError(f"run_dir {run_dir} is not writable: {err.strerror}") from err
         self.run_dir = run_dir
-        if resuming and (run_dir / "metrics.csv").exists():  # Lightning's CSVLogger would delete it
+        # processes that Lightning's DDP launcher starts later inherit the environment: same run dir
+        os.environ[_RUN_DIR_ENV] = str(run_dir)
+        if resuming and not _is_launched_process() and (run_dir / "metrics.csv").exists():  # Lightning's CSVLogger would delete it
             (run_dir / "metrics.csv").rename(run_dir / f"metrics.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.csv")
         trainer_cfg = self.config_init.get("trainer", {})
         kwargs.setdefault("default_root_dir", str(run_dir))
@@ -133,6 +137,14 @@ class FedFDPCLI(LightningCLI):
         return loggers
 
 
+_RUN_DIR_ENV = "FEDFDP_RUN_DIR"
+
+
+def _is_launched_process() -> bool:
+    """Whether this process was started by Lightning's DDP launcher for a rank other than 0."""
+    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
+
+
 def _wandb_run_id(run_dir: Path) -> str:
     """A W&B run id stored in the run directory, so a resumed run continues the same W&B run."""
     path = run_dir / "wandb_run_id"
@@ -163,7 +175,8 @@ def _configure_logging() -> None:
         log = logging.getLogger(name)
         if not log.handlers:
             log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        # processes launched for ranks > 0 repeat rank 0's lines: they report warnings only
+        log.setLevel(logging.WARNING if _is_launched_process() else logging.INFO)
         log.propagate = False  # a root handler installed by a dependency would print every line twice
     # Saving the post-step state is what we want: a checkpoint at step t holds w_t after round t.
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")

@@ -45,6 +45,8 @@ class ALIDPFL(DPFedAvg):
             :class:`DPFedAvg`.
     """
 
+    supports_distributed = False  # see Algorithm.supports_distributed
+
     def __init__(self, *, max_local_steps: int = 5, initial_local_steps: int = 1, initial_mu: float = 1.0,
                  gamma: float = 0.0, mu_range: tuple[float, float] = (1e-3, 1e3), lr: float = 1.0,
                  sample_rate: float = 0.05, max_grad_norm: float = 0.1, noise_multiplier: float = 2.0,

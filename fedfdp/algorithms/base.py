@@ -29,9 +29,14 @@ class Algorithm:
         required_callbacks: callback types the run must have. The federation refuses to start
             without an instance of each (e.g. an algorithm that releases losses under DP needs
             the callback that privatises and accounts them).
+        supports_distributed: whether the algorithm may run with several processes
+            (:mod:`fedfdp.distributed`): true when everything it keeps between rounds is computed
+            from the (all-gathered) uploads on the server side, false when ``local_update`` keeps
+            per-client state that would stay on the process that happened to train the client.
     """
 
     required_callbacks: ClassVar[tuple[type[FederationCallback], ...]] = ()
+    supports_distributed: ClassVar[bool] = False
 
     def setup(self, federation: Federation) -> None:
         """Validate against the data and prepare state; called once when fitting starts."""

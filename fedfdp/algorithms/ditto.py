@@ -44,6 +44,8 @@ def personal_generator(generator: RandomSource) -> RandomSource:
 
 
 class _Ditto:
+    supports_distributed = False  # per-client state kept by local_update (see Algorithm)
+
     def _init_ditto(self, personal_weight: float) -> None:
         require(personal_weight >= 0, f"algorithm.personal_weight must be >= 0, got {personal_weight}")
         self.personal_weight = personal_weight
@@ -92,6 +94,7 @@ class Ditto(_Ditto, FedAvg):
         lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg` (shared by both
             phases).
     """
+
 
     def __init__(self, *, personal_weight: float = 0.1, lr: float = 0.1, local_epochs: int = 1,
                  batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:

@@ -35,6 +35,8 @@ class DPFedAvg(Algorithm):
         normalize_constant: the divisor for ``normalize_by="constant"`` (code: 64).
     """
 
+    supports_distributed = True  # see Algorithm.supports_distributed
+
     required_callbacks = (RDPAccounting,)
 
     def __init__(self, *, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,

@@ -30,6 +30,8 @@ class FedAvg(Algorithm):
         sample_rate: Poisson rate q for ``poisson_batch``.
     """
 
+    supports_distributed = True  # see Algorithm.supports_distributed
+
     def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
                  local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")

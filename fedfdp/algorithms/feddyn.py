@@ -32,6 +32,8 @@ from fedfdp.types import ClientUpdate, RoundContext
 
 
 class _Dyn(GradTermMixin):
+    supports_distributed = False  # per-client state kept by local_update (see Algorithm)
+
     def _init_dyn(self, alpha: float, server_correction: bool) -> None:
         require(alpha >= 0, f"algorithm.alpha must be >= 0, got {alpha}")
         self.alpha = alpha
@@ -91,6 +93,7 @@ class FedDyn(_Dyn, FedAvg):
         server_correction: apply the server's ``−h/α`` (FedDyn); false: plain averaging.
         lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
     """
+
 
     def __init__(self, *, alpha: float = 0.01, server_correction: bool = True, lr: float = 0.1,
                  local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",

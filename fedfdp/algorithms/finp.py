@@ -41,6 +41,8 @@ ServerAgg = Literal["size_fedavg", "pca", "ala"]
 class _FinPMixin:
     """FinP's client regulariser, curvature upload and server weighting on top of a local loop."""
 
+    supports_distributed = False  # see Algorithm.supports_distributed
+
     def _init_finp(self, *, beta: float, client_reg: bool, server_agg: ServerAgg, estimator: LipschitzEstimator,
                    scaling: str, rho_init: float, curvature_samples: int, curvature_iters: int, curvature_tol: float,
                    pca_q: int, pca_gamma: float) -> None:

@@ -31,6 +31,8 @@ from fedfdp.types import ClientUpdate, RoundContext
 
 
 class _QFair:
+    supports_distributed = False  # per-client state kept by local_update (see Algorithm)
+
     lr: float
 
     def _init_q(self, q: float, lipschitz: float | None, loss_floor: float) -> None:
@@ -67,6 +69,7 @@ class QFFL(_QFair, FedAvg):
         loss_floor: lower bound applied to the reported loss.
         lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
     """
+
 
     required_callbacks = (GlobalLossReporting,)
 

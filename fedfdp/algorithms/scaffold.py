@@ -30,6 +30,8 @@ _DELTA = "scaffold_delta_c"
 
 
 class _Scaffold(GradTermMixin):
+    supports_distributed = False  # per-client state kept by local_update (see Algorithm)
+
     lr: float
 
     def _init_scaffold(self, freeze_control_variates: bool) -> None:
@@ -89,6 +91,7 @@ class Scaffold(_Scaffold, FedAvg):
         freeze_control_variates: keep ``c = c_i = 0`` (SCAFFOLD ≡ FedAvg; for tests/ablation).
         lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
     """
+
 
     def __init__(self, *, freeze_control_variates: bool = False, lr: float = 0.1, local_epochs: int = 1,
                  batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
