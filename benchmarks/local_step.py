@@ -81,6 +81,58 @@ def bench(model: str, batch_size: int, engine: str, repeats: int, device: str) -
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def profile(model: str, batch_size: int, repeats: int) -> None:
+    """Where a DP step's time goes, phase by phase, next to a plain step's forward + backward."""
+    from fedfdp.privacy import per_sample
+    from fedfdp.privacy.release import add_gaussian_noise
+
+    torch.manual_seed(0)
+    channels, side = MODELS[model]
+    x = torch.randn(batch_size, channels, side, side)
+    y = torch.randint(0, 10, (batch_size,))
+    net = FedAvgCNN(in_channels=channels, image_size=side)
+    engine = per_sample.GhostEngine(net)
+    gen = torch_generator(0, "profile")
+    captured: list = []
+
+    def forward_backward_outputs() -> list:
+        captured.clear()
+        hooks = [m.register_forward_hook(lambda m, i, o: captured.append((m, i[0].detach(), o)))
+                 for m in engine.layers]
+        losses = engine.loss_fn(net(x), y)
+        for h in hooks:
+            h.remove()
+        return list(torch.autograd.grad(losses.sum(), [o for *_, o in captured]))
+
+    def plain() -> None:
+        net.zero_grad()
+        engine.loss_fn(net(x), y).mean().backward()
+
+    backprops = forward_backward_outputs()
+    layers = [(m, a, b) for (m, a, _), b in zip(captured, backprops)]
+    factors = [per_sample._layer_factors(m, a, b) for m, a, b in layers]
+    weights = torch.rand(batch_size)
+    sums = [g for f in factors for g in f.weighted(weights).values()]
+    phases = {"plain SGD: forward + full backward": plain,
+              "DP: forward + backward to layer outputs": forward_backward_outputs}
+    for k, (m, a, b) in enumerate(layers):
+        phases[f"DP: per-sample norms, layer {k} {type(m).__name__}"] = \
+            lambda m=m, a=a, b=b: per_sample._layer_factors(m, a, b)
+    for k, f in enumerate(factors):
+        phases[f"DP: weighted sum, layer {k}"] = lambda f=f: f.weighted(weights)
+    phases["DP: Gaussian noise (all parameters)"] = lambda: add_gaussian_noise([s.clone() for s in sums], 0.2, gen)
+    print(f"profile: {model}, batch {batch_size} (median ms of {repeats})")
+    for name, fn in phases.items():
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        print(f"  {name:<48} {statistics.median(times) * 1e3:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -88,6 +140,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--engines", nargs="+", default=["ghost"], choices=["ghost", "vmap"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true", help="also print a per-phase profile of each DP step")
     args = parser.parse_args()
     print(f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()}")
     print(f"{'model':<8} {'engine':<7} {'batch':>5} {'plain ms':>9} {'DP ms':>8} {'FedFDP ms':>10} "
@@ -99,6 +152,10 @@ def main() -> None:
                 p, d, f = t["plain SGD"], t["DP-FedAvg"], t["FedFDP"]
                 print(f"{model:<8} {engine:<7} {batch_size:>5} {p * 1e3:>9.2f} {d * 1e3:>8.2f} {f * 1e3:>10.2f} "
                       f"{d / p:>9.2f} {f / p:>10.2f}", flush=True)
+    if args.profile:
+        for model in args.models:
+            for batch_size in args.batch_sizes:
+                profile(model, batch_size, args.repeats)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,24 @@ def test_conv_methods_exact_on_fedavg_cnn_across_chunks(method, monkeypatch):
     torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
 
 
+def test_reused_buffers_give_exact_results_and_stale_results_raise():
+    """Per-sample buffers are reused across batches of any size; an old result cannot be misused."""
+    torch.manual_seed(3)
+    net = FedAvgCNN()
+    engine = GhostEngine(net, conv_method="materialize")
+    for batch in (6, 3, 6):
+        x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+        ref = microbatch_grads(net, x, y)
+        result = engine.compute(x, y)
+        torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
+        weights = torch.rand(batch)
+        summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+        torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
+    engine.compute(x, y)
+    with pytest.raises(RuntimeError, match="after a later compute"):
+        result.weighted_sum(weights)
+
+
 def test_empty_batch_gives_zero_sum():
     net = TinyConvNet()
     result = GhostEngine(net).compute(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long))
