@@ -24,6 +24,7 @@ import copy
 import logging
 import os
 import statistics
+import warnings
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ def fedfdp_round_seconds(data: FashionMNISTDataModule, rounds: int, seed: int) -
                                    noise_multiplier=SIGMA),
                             num_rounds=rounds, eval_every=10**9, eval_train_splits=False, seed=seed)
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", devices=1,
+                      enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=-1,
                       callbacks=[NoisyLossReporting(loss_bound=LOSS_BOUND, noise_multiplier=LOSS_SIGMA),
                                  RDPAccounting(target_epsilon=3.52, delta=1e-5)])
     trainer.fit(federation, datamodule=data)
@@ -118,7 +119,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="alternating blocks of each implementation")
     parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     args = parser.parse_args()
-    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
     data = FashionMNISTDataModule(data_dir=args.data_dir, num_clients=10, partition="dirichlet", alpha=0.1,
                                   partition_seed=1)
     data.setup("fit")

@@ -87,6 +87,14 @@ _SPLIT_NORMALS_AT = 2**17
 _noise_worker: ThreadPoolExecutor | None = None
 
 
+def _forget_noise_worker() -> None:  # a forked child (e.g. ddp_fork) must not reuse the parent's thread
+    global _noise_worker
+    _noise_worker = None
+
+
+os.register_at_fork(after_in_child=_forget_noise_worker)
+
+
 def randn(shape: tuple[int, ...] | torch.Size, generator: RandomSource, *, dtype: torch.dtype = torch.float32,
           device: torch.device | str | None = None) -> torch.Tensor:
     """Standard normal draws of ``shape``.

@@ -10,12 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from datamodules import (
     FashionMNISTDataModule,
     FederatedDataModule,
-    MNISTDataModule,
     SyntheticDataModule,
     find_idx_files,
     read_idx,

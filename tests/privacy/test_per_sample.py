@@ -26,6 +26,13 @@ def microbatch_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
     return torch.stack(rows)
 
 
+def assert_matches(result, ref: torch.Tensor, weights: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Norms and the weighted sum of an engine result equal those of the reference gradients (B, d)."""
+    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=rtol, atol=atol)
+    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+    torch.testing.assert_close(summed, weights @ ref, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("engine_cls", [GhostEngine, VmapEngine])
 @pytest.mark.parametrize("make_net", [TinyConvNet, lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.Tanh(),
                                                                            nn.Linear(8, 4))])
@@ -35,11 +42,8 @@ def test_engine_matches_microbatch_loop(engine_cls, make_net):
     x, y = torch.randn(7, 1, 8, 8), torch.randint(0, 4, (7,))
     ref = microbatch_grads(net, x, y)
     result = engine_cls(net).compute(x, y)
-    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result.losses, per_sample_cross_entropy(net(x), y).detach())
-    weights = torch.randn(7)
-    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-    torch.testing.assert_close(summed, weights @ ref, rtol=1e-5, atol=1e-6)
+    assert_matches(result, ref, torch.randn(7), rtol=1e-5)
 
 
 def test_ghost_engine_on_fedavg_cnn_matches_microbatch():
@@ -47,11 +51,7 @@ def test_ghost_engine_on_fedavg_cnn_matches_microbatch():
     net = FedAvgCNN()
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
     ref = microbatch_grads(net, x, y)
-    result = GhostEngine(net).compute(x, y)
-    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
-    weights = torch.rand(4)
-    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-    torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
+    assert_matches(GhostEngine(net).compute(x, y), ref, torch.rand(4))
 
 
 @settings(max_examples=40, deadline=None)
@@ -78,11 +78,7 @@ def test_conv_methods_match_microbatch_for_any_geometry(c_in, c_out, kh, kw, str
         grads = torch.autograd.grad(per_sample_cross_entropy(net(x[j:j + 1]), y[j:j + 1]).sum(), trainable)
         rows.append(torch.cat([g.flatten() for g in grads]))
     ref = torch.stack(rows)
-    result = GhostEngine(net, conv_method=method).compute(x, y)
-    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
-    weights = torch.randn(batch)
-    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-    torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-5)
+    assert_matches(GhostEngine(net, conv_method=method).compute(x, y), ref, torch.randn(batch), atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["materialize", "input_gram"])
@@ -95,11 +91,7 @@ def test_conv_methods_exact_on_fedavg_cnn_across_chunks(method, monkeypatch):
     x, y = torch.randn(5, 1, 28, 28), torch.randint(0, 10, (5,))
     ref = microbatch_grads(net, x, y)
     monkeypatch.setattr(per_sample, "_CHUNK_BYTES", 1)  # one sample per chunk
-    result = GhostEngine(net, conv_method=method).compute(x, y)
-    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
-    weights = torch.rand(5)
-    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-    torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
+    assert_matches(GhostEngine(net, conv_method=method).compute(x, y), ref, torch.rand(5))
 
 
 def test_reused_buffers_give_exact_results_and_stale_results_raise():
@@ -110,11 +102,8 @@ def test_reused_buffers_give_exact_results_and_stale_results_raise():
     for batch in (6, 3, 6):
         x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
         ref = microbatch_grads(net, x, y)
-        result = engine.compute(x, y)
-        torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
-        weights = torch.rand(batch)
-        summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-        torch.testing.assert_close(summed, weights @ ref, rtol=1e-4, atol=1e-6)
+        result, weights = engine.compute(x, y), torch.rand(batch)
+        assert_matches(result, ref, weights)
     engine.compute(x, y)
     with pytest.raises(RuntimeError, match="after a later compute"):
         result.weighted_sum(weights)
