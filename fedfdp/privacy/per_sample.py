@@ -41,6 +41,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from fedfdp.privacy.conv_grads import (
+    ConvMethod,
+    Workspace,
+    fresh_workspace,
+    input_gram_sq_norms,
+    materialize_budget,
+    pad_input,
+    per_sample_weights,
+)
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """Maps (model output, targets) to per-sample losses of shape (B,)."""
 
@@ -79,7 +89,7 @@ class GhostEngine:
     """
 
     def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy,
-                 conv_method: "ConvMethod" = "auto") -> None:
+                 conv_method: ConvMethod = "auto") -> None:
         problem = ghost_unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"GhostEngine cannot handle this model: {problem}")
@@ -151,25 +161,6 @@ class GhostEngine:
         return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum)
 
 
-ConvMethod = Literal["auto", "materialize", "input_gram"]
-"""How a Conv2d layer's per-sample gradient norms are computed (see :func:`_conv_factors`)."""
-
-_CHUNK_BYTES = 8 * 2**20
-"""Working-set budget of one batch chunk on CPU: large per-sample intermediates are built chunk
-by chunk so that they stay in the last-level cache (up to 2x faster than one batch-wide buffer)."""
-
-_ACCELERATOR_CHUNK_BYTES = 512 * 2**20
-"""The same budget on accelerators, where it only bounds memory (bigger kernels are faster)."""
-
-_MATERIALIZE_BYTES = 32 * 2**20
-"""``auto`` materialises a conv layer's per-sample gradients of the whole batch up to this size on
-CPU (measured side by side on the FedAvgCNN: materialising is as fast or faster up to B = 128,
-2x slower at B = 256, where the input Gram is used)."""
-
-_ACCELERATOR_MATERIALIZE_BYTES = 2**30
-"""The same on accelerators (high bandwidth: materialising stays cheap up to a memory bound)."""
-
-
 @dataclass
 class _LayerFactors:
     """What one layer contributes: per-sample squared norms and a way to form ``Σ_j s_j G_j``.
@@ -218,16 +209,8 @@ class _LayerFactors:
         return out
 
 
-Workspace = Callable[[tuple[int, ...], torch.dtype, torch.device], Tensor]
-"""Returns an uninitialised tensor of a shape (a reusable buffer, or a fresh ``torch.empty``)."""
-
-
-def _fresh(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _layer_factors(module: nn.Module, a: Tensor, b: Tensor, conv_method: ConvMethod = "auto",
-                   workspace: Workspace = _fresh) -> _LayerFactors:
+                   workspace: Workspace = fresh_workspace) -> _LayerFactors:
     """Per-sample squared gradient norms of one layer from its input ``a`` and output gradient ``b``."""
     if isinstance(module, nn.Conv2d):
         return _conv_factors(module, a, b, conv_method, workspace)
@@ -253,7 +236,7 @@ def _bias_sq_norms(module: nn.Module, b: Tensor) -> Tensor:
 
 
 def _conv_factors(conv: nn.Conv2d, x: Tensor, grad_out: Tensor, method: ConvMethod,
-                  workspace: Workspace = _fresh) -> _LayerFactors:
+                  workspace: Workspace = fresh_workspace) -> _LayerFactors:
     """Per-sample squared norms of a Conv2d's weight gradient ``G_j = Σ_p b_{jp} u_{jp}ᵀ``.
 
     ``u_{jp}`` is the input patch (``d_in = C·k_h·k_w``) at output position ``p`` (``P`` positions
@@ -272,7 +255,7 @@ def _conv_factors(conv: nn.Conv2d, x: Tensor, grad_out: Tensor, method: ConvMeth
     sq_norms = _bias_sq_norms(conv, b_flat)
     if not conv.weight.requires_grad:
         return _LayerFactors(conv, b_flat, sq_norms)
-    padded = _pad_input(x, conv)
+    padded = pad_input(x, conv)
     kh, kw = conv.kernel_size
     c_in = x.shape[1]
     d_in = c_in * kh * kw
@@ -281,81 +264,15 @@ def _conv_factors(conv: nn.Conv2d, x: Tensor, grad_out: Tensor, method: ConvMeth
         # Both methods do the P·d_in·d_out multiply-adds once (materialize: the batched G_j;
         # input_gram: the weight-gradient call of the weighted sum), input_gram adds the Gram terms.
         # Materialising wins while the batch's G_j fit in cache; beyond that its writes dominate.
-        fits = batch * d_out * d_in * grad_out.element_size() <= _materialize_budget(grad_out.device)
+        fits = batch * d_out * d_in * grad_out.element_size() <= materialize_budget(grad_out.device)
         gram_extra = pixels * pixels * c_in + positions * positions * d_out
         method = "materialize" if fits or gram_extra >= positions * d_in * d_out else "input_gram"
     if method == "materialize":
-        per_sample_weight = _conv_per_sample_weights(padded, grad_out, conv, workspace)
+        per_sample_weight = per_sample_weights(padded, grad_out, conv, workspace)
         sq_norms = sq_norms + torch.linalg.vector_norm(per_sample_weight.flatten(1), dim=1).square()
         return _LayerFactors(conv, b_flat, sq_norms, per_sample_weight=per_sample_weight)
-    sq_norms = sq_norms + _conv_input_gram_sq_norms(padded, grad_out, conv)
+    sq_norms = sq_norms + input_gram_sq_norms(padded, grad_out, conv)
     return _LayerFactors(conv, b_flat, sq_norms, conv_input=x, conv_backprop=grad_out)
-
-
-def _pad_input(x: Tensor, conv: nn.Conv2d) -> Tensor:
-    ph, pw = conv.padding  # type: ignore[misc]
-    return F.pad(x, (pw, pw, ph, ph)) if ph or pw else x.contiguous()
-
-
-def _patches(padded: Tensor, conv: nn.Conv2d, out_hw: tuple[int, int]) -> Tensor:
-    """Strided view (B, C_in, k_h, k_w, H', W') of the input patches (no copy)."""
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    s_b, s_c, s_h, s_w = padded.stride()
-    return padded.as_strided((padded.shape[0], padded.shape[1], kh, kw, *out_hw),
-                             (s_b, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w))
-
-
-def _materialize_budget(device: torch.device) -> int:
-    return _MATERIALIZE_BYTES if device.type == "cpu" else _ACCELERATOR_MATERIALIZE_BYTES
-
-
-def _chunk_size(bytes_per_sample: int, device: torch.device) -> int:
-    budget = _CHUNK_BYTES if device.type == "cpu" else _ACCELERATOR_CHUNK_BYTES
-    return max(1, budget // max(1, bytes_per_sample))
-
-
-def _conv_per_sample_weights(padded: Tensor, grad_out: Tensor, conv: nn.Conv2d,
-                             workspace: Workspace = _fresh) -> Tensor:
-    """Materialised per-sample weight gradients (B, d_out, C_in·k_h·k_w), built chunk by chunk."""
-    batch, d_out, out_h, out_w = grad_out.shape
-    positions = out_h * out_w
-    d_in = padded.shape[1] * conv.kernel_size[0] * conv.kernel_size[1]
-    result = workspace((batch, d_out, d_in), grad_out.dtype, grad_out.device)
-    step = _chunk_size(positions * d_in * padded.element_size(), padded.device)
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        patches = _patches(padded[start:stop], conv, (out_h, out_w)).reshape(stop - start, d_in, positions)
-        torch.bmm(grad_out[start:stop].reshape(stop - start, d_out, positions), patches.transpose(1, 2),
-                  out=result[start:stop])
-    return result
-
-
-def _conv_input_gram_sq_norms(padded: Tensor, grad_out: Tensor, conv: nn.Conv2d) -> Tensor:
-    """``‖G_j‖²`` from the input Gram ``M`` and the output-gradient Gram (see :func:`_conv_factors`).
-
-    ``UU[h,w,h',w'] = Σ_{i,j} M[h·s_h + i·d_h, w·s_w + j·d_w, h'·s_h + i·d_h, w'·s_w + j·d_w]``,
-    summed first over ``j`` then over ``i`` (``k_h + k_w`` terms per entry instead of ``k_h·k_w``).
-    """
-    batch, d_out, out_h, out_w = grad_out.shape
-    c_in, in_h, in_w = padded.shape[1:]
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    step = _chunk_size((in_h * in_w) ** 2 * padded.element_size(), padded.device)
-    out = []
-    for start in range(0, batch, step):
-        n = min(batch, start + step) - start
-        x = padded[start:start + n].reshape(n, c_in, in_h * in_w)
-        gram = torch.bmm(x.transpose(1, 2), x).view(n, in_h, in_w, in_h, in_w)
-        # windowed sums as one strided reduction per kernel axis (faster than k shifted adds)
-        s = gram.stride()
-        by_cols = gram.as_strided((n, in_h, out_w, in_h, out_w, kw),
-                                  (s[0], s[1], sw * s[2], s[3], sw * s[4], dw * (s[2] + s[4]))).sum(-1)
-        s = by_cols.stride()
-        patch_gram = by_cols.as_strided((n, out_h, out_w, out_h, out_w, kh),
-                                        (s[0], sh * s[1], s[2], sh * s[3], s[4], dh * (s[1] + s[3]))).sum(-1)
-        b = grad_out[start:start + n].reshape(n, d_out, out_h * out_w)
-        grad_gram = torch.bmm(b.transpose(1, 2), b)
-        out.append((patch_gram.reshape(n, out_h * out_w, out_h * out_w) * grad_gram).sum((1, 2)))
-    return torch.cat(out)
 
 
 class VmapEngine:

@@ -84,13 +84,13 @@ def test_conv_methods_match_microbatch_for_any_geometry(c_in, c_out, kh, kw, str
 @pytest.mark.parametrize("method", ["materialize", "input_gram"])
 def test_conv_methods_exact_on_fedavg_cnn_across_chunks(method, monkeypatch):
     """Batches split into several cache-sized chunks give the same norms and sums as one pass."""
-    import fedfdp.privacy.per_sample as per_sample
+    import fedfdp.privacy.conv_grads as conv_grads
 
     torch.manual_seed(2)
     net = FedAvgCNN()
     x, y = torch.randn(5, 1, 28, 28), torch.randint(0, 10, (5,))
     ref = microbatch_grads(net, x, y)
-    monkeypatch.setattr(per_sample, "_CHUNK_BYTES", 1)  # one sample per chunk
+    monkeypatch.setattr(conv_grads, "_CHUNK_BYTES", 1)  # one sample per chunk
     assert_matches(GhostEngine(net, conv_method=method).compute(x, y), ref, torch.rand(5))
 
 
