@@ -254,18 +254,17 @@ class FederatedDataModule(L.LightningDataModule):
 
     def normalize(self, x: Tensor) -> Tensor:
         """Raw samples -> float32 model input: ``(x / 255 - mean) / std`` (no ``/ 255`` for float data)."""
-        out = x.to(torch.float32)
+        out = x.to(torch.float32, copy=True)  # one new tensor; everything below is in place
         if x.dtype == torch.uint8:
-            out = out.div_(255.0)
+            out.div_(255.0)
         mean = torch.tensor(self.mean, device=x.device).view(-1, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(-1, 1, 1)
-        return out.sub_(mean).div_(std) if out is not x else (out - mean) / std
+        return out.sub_(mean).div_(std)
 
     def _client_tensors(self, x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         """Gather one client's samples into a normalised contiguous float32 / int64 pair."""
         raw = torch.from_numpy(np.ascontiguousarray(x[idx]))
-        return self.normalize(raw if raw.dtype == torch.uint8 else raw.to(torch.float32)).contiguous(), \
-            torch.from_numpy(y[idx].astype(np.int64))
+        return self.normalize(raw).contiguous(), torch.from_numpy(y[idx].astype(np.int64))
 
     # ------------------------------------------------------------------ public API
     def _split(self, which: int) -> ClientSplits:
