@@ -1,20 +1,25 @@
-"""Whole-round benchmark: fedfdp's FedFDP round vs a per-sample-loop reference, side by side.
+"""Whole-round benchmark of FedFDP rounds, side by side.
 
 The paper's setting (spec §4): FashionMNIST, 10 clients, Dir(0.1), FedAvgCNN, q = 0.05, C = 0.1,
 σ = 2, λ = 0.1, one local step, noisy loss report (C_l = 2.5, σ_l = 5) and RDP accounting.
 
-* **fedfdp**: one ``Trainer.fit`` of :class:`fedfdp.Federation` over ``--rounds`` rounds; the
-  figure is the median of the federation's own per-round wall times (evaluation excluded).
-* **reference**: the same round written the way many research codebases write it: the global
-  model deep-copied per client, and a Python loop over the Poisson batch that runs forward and
-  backward on one sample at a time, reads its gradient, computes its norm and fair clip factor and
-  accumulates; then Gaussian noise, the SGD step, the noisy loss report and weighted averaging.
+``--compare stacked`` (default): the federation's stacked round (:mod:`fedfdp.stacked`, one engine
+pass over the union of the clients' Poisson batches) against the per-client round
+(``stacked_round=False``); ``--stacked-max-batch`` sets the samples per engine pass.
 
-The two are run in alternating blocks (A B A B ...) so that machine load hits both alike.
+``--compare reference``: fedfdp against the same round written the way many research codebases
+write it: the global model deep-copied per client, and a Python loop over the Poisson batch that
+runs forward and backward on one sample at a time, reads its gradient, computes its norm and fair
+clip factor and accumulates; then Gaussian noise, the SGD step, the noisy loss report and
+weighted averaging.
+
+Each fedfdp figure is the median of the federation's own per-round wall times (evaluation
+excluded) over one ``Trainer.fit`` of ``--rounds`` rounds per block. The two sides run in
+alternating blocks (A B B A A B ...) so that machine load hits both alike.
 
 Usage::
 
-    python benchmarks/round.py [--rounds 5] [--blocks 2] [--data-dir ../shared/data]
+    python benchmarks/round.py [--compare stacked|reference] [--rounds 5] [--blocks 2] [--data-dir ../shared/data]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import warnings
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
+from torch.nn.utils import parameters_to_vector  # noqa: E402
 
 from callbacks import NoisyLossReporting, RDPAccounting  # noqa: E402
 from datamodules import FashionMNISTDataModule  # noqa: E402
@@ -47,19 +54,25 @@ Q, CLIP, SIGMA, LAMBDA, LR = 0.05, 0.1, 2.0, 0.1, 1.0
 LOSS_BOUND, LOSS_SIGMA = 2.5, 5.0
 
 
-def fedfdp_round_seconds(data: FashionMNISTDataModule, rounds: int, seed: int) -> list[float]:
-    """Per-round wall times of one fedfdp run of ``rounds`` rounds (evaluation only at the end)."""
+def fedfdp_run(data: FashionMNISTDataModule, rounds: int, seed: int, **federation_kwargs: Any) -> Federation:
+    """One fedfdp run of ``rounds`` rounds (evaluation only at the end); its ``round_seconds`` are the timings."""
     torch.manual_seed(seed)
     federation = Federation(ClientModule(FedAvgCNN()),
                             FedFDP(fairness_weight=LAMBDA, lr=LR, sample_rate=Q, max_grad_norm=CLIP,
                                    noise_multiplier=SIGMA),
-                            num_rounds=rounds, eval_every=10**9, eval_train_splits=False, seed=seed)
+                            num_rounds=rounds, eval_every=10**9, eval_train_splits=False, seed=seed,
+                            **federation_kwargs)
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=-1,
                       callbacks=[NoisyLossReporting(loss_bound=LOSS_BOUND, noise_multiplier=LOSS_SIGMA),
                                  RDPAccounting(target_epsilon=3.52, delta=1e-5)])
     trainer.fit(federation, datamodule=data)
-    return federation.round_seconds
+    return federation
+
+
+def fedfdp_round_seconds(data: FashionMNISTDataModule, rounds: int, seed: int) -> list[float]:
+    """Per-round wall times of one fedfdp run of ``rounds`` rounds."""
+    return fedfdp_run(data, rounds, seed).round_seconds
 
 
 def reference_round(model: torch.nn.Module, clients: list[tuple[torch.Tensor, torch.Tensor]],
@@ -113,10 +126,34 @@ def reference_round_seconds(data: FashionMNISTDataModule, rounds: int, seed: int
     return times
 
 
+def compare_stacked(data: FashionMNISTDataModule, rounds: int, blocks: int, max_batch: int | None) -> None:
+    """Stacked vs per-client rounds in alternating blocks; same seeds, so the same models."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for block in range(blocks):
+        order = (True, False) if block % 2 == 0 else (False, True)
+        finals = {}
+        for stacked in order:
+            fed = fedfdp_run(data, rounds, seed=block, stacked_round=stacked, stacked_max_batch=max_batch)
+            times[stacked] += fed.round_seconds
+            finals[stacked] = parameters_to_vector(fed.global_model.parameters()).detach()
+        drift = float((finals[True] - finals[False]).norm() / finals[False].norm())
+        print(f"block {block + 1}: stacked {statistics.median(times[True]):.3f} s/round, per-client "
+              f"{statistics.median(times[False]):.3f} s/round (medians so far); final models differ by "
+              f"{drift:.1e} (relative)", flush=True)
+    a, b = statistics.median(times[True]), statistics.median(times[False])
+    print(f"{'round':<34} {'s/round (median)':>17}")
+    print(f"{'stacked (union of client batches)':<34} {a:>17.3f}")
+    print(f"{'per-client':<34} {b:>17.3f}")
+    print(f"speed-up of the stacked round: {b / a:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=["stacked", "reference"], default="stacked")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per block")
     parser.add_argument("--blocks", type=int, default=2, help="alternating blocks of each implementation")
+    parser.add_argument("--stacked-max-batch", type=int, default=None,
+                        help="samples per engine pass of the stacked round (default: the federation's)")
     parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -127,6 +164,9 @@ def main() -> None:
     batch = Q * data.train_sizes
     print(f"torch={torch.__version__} threads={torch.get_num_threads()} clients=10 "
           f"train sizes={data.train_sizes.tolist()} expected batch {batch.min():.0f}-{batch.max():.0f}")
+    if args.compare == "stacked":
+        compare_stacked(data, args.rounds, args.blocks, args.stacked_max_batch)
+        return
     ours: list[float] = []
     ref: list[float] = []
     for block in range(args.blocks):

@@ -3,7 +3,18 @@
 Privacy unit: one record of one client's data (sample-level DP per client, spec §3.1). Each
 client has a :class:`fedfdp.privacy.accounting.PrivacyLedger` (Opacus ``RDPAccountant``); every
 upload's ``dp_events`` (a Poisson-sampled Gaussian event per gradient step, one per loss
-release) are charged before the server aggregates. The reported ε is the maximum over clients.
+release) are charged when the client's upload is final, before it leaves the client. The
+reported ε is the maximum over clients.
+
+With a ``ledger_path`` (the command line sets ``<run_dir>/privacy_ledger.jsonl``) every charge
+is first appended and fsynced to that file (:mod:`fedfdp.privacy.ledger_file`), and the ledgers,
+ε, the budget guard and the planned rounds always come from the file: a run resumed from any
+checkpoint, or restarted after a crash before its first checkpoint, keeps every release it made,
+and the rounds it replays are charged again.
+
+At start the accountant refuses any configured release whose guarantee would not hold: σ = 0 or
+an unbounded clip (:func:`fedfdp.privacy.validation.check_releases`), or a model with layers
+that mix the samples of a batch (BatchNorm).
 """
 
 from __future__ import annotations
@@ -15,9 +26,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.base import FederationCallback
+from fedfdp.distributed import rank_and_world
 from fedfdp.errors import ConfigError, PrivacyBudgetError, require
-from fedfdp.privacy.accounting import OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, max_rounds
-from fedfdp.types import MODEL_RELEASE, ClientUpdate, RoundContext
+from fedfdp.privacy.accounting import (ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent,
+                                      PrivacyLedger, epsilon_of, max_rounds)
+from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
+from fedfdp.privacy.validation import check_releases, sample_mixing_layers
+from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -41,11 +56,22 @@ class RDPAccounting(FederationCallback):
             reproduction: the true ε, logged as ``epsilon``, then exceeds the target).
         rounds_rule: ``strict`` (largest T with ε ≤ target) or ``paper_code`` (the authors'
             bisection, which can overshoot the target by up to 0.01; 778 rounds at ε = 3.52).
+        accountant: ``rdp`` (Opacus' RDPAccountant; the paper's, default) or ``prv`` (Opacus'
+            PRVAccountant, Gopi et al. 2021: tighter, e.g. ε 3.23 instead of 3.52 for FedFDP's
+            683 paper rounds). ε, the planned rounds and the budget guard all use it; with
+            ``prv`` the RDP ε is logged beside it as ``epsilon_rdp``.
+        ledger_path: the durable privacy ledger (JSON lines, fsynced before each release leaves
+            its client); the command line sets ``<run_dir>/privacy_ledger.jsonl``. None keeps the
+            ledgers in memory and in checkpoints only (library use, tests).
+        allow_non_private: run releases whose guarantee does not hold (σ = 0, an unbounded clip
+            rule such as ``fair_clip_mode: paper_raw``, BatchNorm) for analysis only: ε is then
+            reported as infinite. Off by default: such a run is refused at start.
     """
 
     def __init__(self, *, target_epsilon: float | None = None, delta: float = 1e-5,
                  orders: Literal["paper", "opacus"] = "paper", accounting_mode: AccountingMode = "theorem2",
-                 rounds_rule: Literal["strict", "paper_code"] = "strict") -> None:
+                 rounds_rule: Literal["strict", "paper_code"] = "strict", accountant: Accountant = "rdp",
+                 ledger_path: str | None = None, allow_non_private: bool = False) -> None:
         require(target_epsilon is None or target_epsilon > 0,
                 f"RDPAccounting.target_epsilon must be > 0 or null, got {target_epsilon}")
         require(0 < delta < 1, f"RDPAccounting.delta must be in (0, 1), got {delta}")
@@ -54,12 +80,22 @@ class RDPAccounting(FederationCallback):
                 f"RDPAccounting.accounting_mode must be 'theorem2' or 'model_only', got {accounting_mode!r}")
         require(rounds_rule in ("strict", "paper_code"),
                 f"RDPAccounting.rounds_rule must be 'strict' or 'paper_code', got {rounds_rule!r}")
+        require(accountant in ACCOUNTANTS, f"RDPAccounting.accountant must be one of {list(ACCOUNTANTS)}, "
+                                           f"got {accountant!r}")
+        require(accountant == "rdp" or rounds_rule == "strict",
+                "RDPAccounting.rounds_rule paper_code is the authors' RDP bisection: use rounds_rule strict "
+                "with accountant prv")
         self.target_epsilon = target_epsilon
         self.delta = delta
         self.orders = PAPER_ORDERS if orders == "paper" else OPACUS_DEFAULT_ORDERS
         self.accounting_mode = accounting_mode
         self.rounds_rule = rounds_rule
-        self.unbounded = False  # a release without noise happened: ε is infinite
+        self.accountant = accountant
+        self.ledger_path = ledger_path
+        self.allow_non_private = allow_non_private
+        self.unbounded = False  # a release without a guarantee is configured (allow_non_private): ε is infinite
+        self._file: LedgerFile | None = None
+        self._charged: set[int] = set()  # clients of the current round charged by on_client_release
         self.ledgers: dict[int, PrivacyLedger] = {}           # every release
         self.budget_ledgers: dict[int, PrivacyLedger] = {}    # releases counted by accounting_mode
         # ε of each ledger, refreshed only when the ledger changes: a round costs O(sampled
@@ -75,11 +111,18 @@ class RDPAccounting(FederationCallback):
 
     def _ledger(self, store: dict[int, PrivacyLedger], client_id: int) -> PrivacyLedger:
         if client_id not in store:  # created lazily: memory only for clients that trained
-            store[client_id] = PrivacyLedger(orders=self.orders)
+            store[client_id] = PrivacyLedger(orders=self.orders, accountant_kind=self.accountant)
         return store[client_id]
 
+    def _record(self, client_id: int, events: list[tuple[str, DPEvent]]) -> None:
+        """Charge ``events`` to the in-memory ledgers of ``client_id``."""
+        for _, event in events:
+            self._ledger(self.ledgers, client_id).record(event)
+        for event in self._counted(events):
+            self._ledger(self.budget_ledgers, client_id).record(event)
+
     def epsilon(self) -> float:
-        """ε spent so far (all releases), maximum over clients (inf after a noiseless release)."""
+        """ε spent so far (all releases), maximum over clients (inf for a run without a guarantee)."""
         if self.unbounded:
             return math.inf
         return max(self._spent.values(), default=0.0)
@@ -99,33 +142,90 @@ class RDPAccounting(FederationCallback):
             if cid in self.budget_ledgers:
                 self._budget_spent[cid] = self.budget_ledgers[cid].epsilon(self.delta)
 
+    def _reset(self) -> None:
+        self.ledgers.clear()
+        self.budget_ledgers.clear()
+        self._spent.clear()
+        self._budget_spent.clear()
+
+    # ---- start ------------------------------------------------------------------------------
+    def setup_federation(self, trainer: Trainer, federation: Federation) -> None:
+        """Refuse releases without a guarantee; rebuild the ledgers from the ledger file."""
+        self._check_guarantee(federation)
+        if self.ledger_path is None:
+            return
+        if self._file is not None:
+            self._file.close()
+        self._file = LedgerFile(self.ledger_path, rank=rank_and_world()[0])
+        entries = self._file.read()
+        self._reset()
+        by_client: dict[int, list[tuple[str, DPEvent]]] = {}
+        for entry in entries:
+            by_client.setdefault(entry.client, []).append((entry.kind, entry.event))
+        for cid, events in by_client.items():
+            self._record(cid, events)
+        self._refresh(by_client)
+        if entries:
+            logger.info("privacy ledger %s: %d earlier releases of %d clients charged (epsilon %.4f so far)",
+                        self.ledger_path, len(entries), len(by_client), self.epsilon())
+
+    def _check_guarantee(self, federation: Federation) -> None:
+        releases = list(federation.algorithm.dp_releases())
+        for cb in federation.federation_callbacks():
+            releases.extend(cb.dp_releases(federation))
+        try:
+            check_releases(releases)
+            mixing = sample_mixing_layers(federation.client.net)
+            if mixing:
+                raise ConfigError(
+                    f"model.client.init_args.net has layers that mix the samples of a batch ({', '.join(mixing)}: "
+                    f"BatchNorm), so one record moves the others' gradients and losses and no release is "
+                    f"differentially private; use GroupNorm/LayerNorm, or set "
+                    f"model.client.init_args.replace_batchnorm: true to replace them with GroupNorm")
+        except ConfigError as err:
+            if not self.allow_non_private:
+                raise
+            logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", err)
+            self.unbounded = True
+
     # ---- federation hooks -------------------------------------------------------------------
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
-        """Total rounds affordable (from round 0) by the client with the most expensive round.
+        """The round count (from round 0) at which the budget is spent, given what is already charged.
 
-        Counted from zero because a resumed run continues the same round counter; the per-round
-        guard in :meth:`on_round_start` checks the restored ledgers.
+        ``federation.start_round`` rounds are done (the checkpoint's round, 0 for a fresh start);
+        the ledgers already hold every release made so far, replayed rounds included. The rounds
+        still affordable are those that keep every client's ε ≤ target if it takes part in each.
         """
         if self.target_epsilon is None:
             return None
-        limits: dict[tuple[DPEvent, ...], int] = {}  # clients with equal plans share one search
+        limits: dict[tuple[Any, ...], int] = {}  # clients with equal plans and histories share one search
         for cid in range(federation.num_clients):
             events = tuple(self._counted(federation.planned_dp_events(cid)))
             if not events:
                 raise ConfigError("RDPAccounting.target_epsilon is set but the run releases nothing private "
                                   "(noise_multiplier 0?); set target_epsilon: null or a noise multiplier > 0")
-            if events not in limits:
-                limits[events] = max_rounds(events, target_epsilon=self.target_epsilon, delta=self.delta,
-                                            orders=self.orders, rule=self.rounds_rule)
-        limit = min(limits.values())
-        if limit == 0:
+            spent = self.budget_ledgers[cid].events if cid in self.budget_ledgers else ()
+            key = (events, spent)
+            if key not in limits:
+                limits[key] = max_rounds(events, target_epsilon=self.target_epsilon, delta=self.delta,
+                                         orders=self.orders, rule=self.rounds_rule, spent=spent,
+                                         accountant=self.accountant)
+        remaining = min(limits.values())
+        start = int(getattr(federation, "start_round", 0))
+        if remaining == 0:
+            spent_eps = self.budgeted_epsilon()
+            if spent_eps > 0:
+                raise PrivacyBudgetError(
+                    f"the privacy ledger already holds epsilon={spent_eps:.4f} of RDPAccounting.target_epsilon="
+                    f"{self.target_epsilon}; not one more round fits: nothing left to train")
             raise PrivacyBudgetError(f"RDPAccounting.target_epsilon={self.target_epsilon} is too small for a "
                                      f"single round at delta={self.delta}")
-        return limit
+        return start + remaining
 
     def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,
                        client_ids: list[int]) -> None:
         """Refuse a round that would take any client past the budget (strict rule only)."""
+        self._charged.clear()
         if self.target_epsilon is None or self.rounds_rule != "strict":
             return
         for cid in client_ids:
@@ -136,18 +236,23 @@ class RDPAccounting(FederationCallback):
                     f"round {context.round} would spend epsilon={projected:.4f} for client {cid}, over "
                     f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
 
+    def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
+        """Write the upload's events to the ledger file (fsynced) and charge them, before it leaves."""
+        if self._file is not None:
+            self._file.append([LedgerEntry(round=federation.current_round, client=update.client_id, kind=kind,
+                                           event=event) for kind, event in update.dp_events])
+        self._record(update.client_id, update.dp_events)
+        self._charged.add(update.client_id)
+        self._refresh((update.client_id,))
+
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:
-        """Charge each upload's events to its client's ledgers."""
-        if getattr(federation.algorithm, "noise_multiplier", None) == 0 and not self.unbounded:
-            logger.warning("noise_multiplier is 0: model updates are released without noise, epsilon is infinite")
-            self.unbounded = True
-        for update in updates:
-            for _, event in update.dp_events:
-                self._ledger(self.ledgers, update.client_id).record(event)
-            for event in self._counted(update.dp_events):
-                self._ledger(self.budget_ledgers, update.client_id).record(event)
-        self._refresh({update.client_id for update in updates})
+        """Charge the uploads that other processes released (they wrote their own ledger files)."""
+        others = [u for u in updates if u.client_id not in self._charged]
+        for update in others:
+            self._record(update.client_id, update.dp_events)
+        self._refresh({u.client_id for u in others})
+        self._charged.clear()
 
     def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
                      updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
@@ -155,24 +260,54 @@ class RDPAccounting(FederationCallback):
         metrics["epsilon"] = self.epsilon()
         if self.accounting_mode != "theorem2":
             metrics["epsilon_budgeted"] = self.budgeted_epsilon()
+        if self.accountant != "rdp":
+            metrics["epsilon_rdp"] = self.epsilon_rdp()
+
+    def epsilon_rdp(self) -> float:
+        """ε spent so far (all releases) by the RDP accountant, maximum over clients (for comparison)."""
+        if self.unbounded:
+            return math.inf
+        return max((epsilon_of(led.events, self.delta, self.orders) for led in self.ledgers.values()), default=0.0)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Close the ledger file."""
+        if self._file is not None:
+            self._file.close()
 
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Every ledger's history (a resumed run continues, never resets, the accountant)."""
+        """Every ledger's history (a copy: with a ledger file, the file is the source of truth)."""
         return {"unbounded": self.unbounded,
                 "ledgers": {cid: led.state_dict() for cid, led in self.ledgers.items()},
                 "budget_ledgers": {cid: led.state_dict() for cid, led in self.budget_ledgers.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the ledgers."""
-        self.unbounded = bool(state_dict.get("unbounded", False))
+        """Restore the ledgers from a checkpoint, unless the ledger file already holds them.
+
+        The file holds every release, including those after the checkpoint, so it wins. A
+        checkpoint written before ledger files existed (an empty file) is migrated into it.
+        """
+        self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
+        if self._file is not None and self.ledgers:
+            return
+        self._reset()
         for key, store in (("ledgers", self.ledgers), ("budget_ledgers", self.budget_ledgers)):
-            store.clear()
             for cid, led_state in state_dict[key].items():
                 self._ledger(store, int(cid)).load_state_dict(led_state)
-        self._spent.clear()
-        self._budget_spent.clear()
         self._refresh(set(self.ledgers) | set(self.budget_ledgers))
+        if self._file is not None and self.ledgers:
+            self._migrate_to_file()
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Nothing to prepare: ledgers are created lazily."""
+    def _migrate_to_file(self) -> None:
+        """Write checkpoint-only ledgers to the ledger file (round -1: before ledger files existed)."""
+        assert self._file is not None
+        entries = []
+        for cid, ledger in self.ledgers.items():
+            counted = list(self.budget_ledgers[cid].events) if cid in self.budget_ledgers else []
+            for event in ledger.events:
+                kind = MODEL_RELEASE if event in counted else LOSS_RELEASE
+                if event in counted:
+                    counted.remove(event)
+                entries.append(LedgerEntry(round=-1, client=cid, kind=kind, event=event))
+        self._file.append(entries)
+        logger.info("privacy ledger %s: migrated %d checkpoint entries", self.ledger_path, len(entries))

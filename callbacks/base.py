@@ -4,12 +4,14 @@ A :class:`FederationCallback` is an ordinary Lightning callback (it lives in ``t
 gets ``setup``/``state_dict``/checkpoint hooks, and is configured with ``class_path``) with extra
 hooks that the federation loop calls in a fixed phase order each round::
 
-    on_round_start → (per client: local update → on_client_update) → on_before_aggregate
-    → aggregation → on_round_end → [evaluation → on_evaluate]
+    setup_federation (once, at start)
+    on_round_start → (per client: local update → on_client_update → on_client_release)
+    → on_before_aggregate → aggregation → on_round_end → [evaluation → on_evaluate]
 
 The order is set by the phases, not by the list order of ``trainer.callbacks``: every
-``on_client_update`` (where releases are privatised) runs before ``on_before_aggregate`` (where
-they are charged to the accountant) and before the server reads anything.
+``on_client_update`` (where releases are privatised) runs before that client's
+``on_client_release`` (where they are written to the durable privacy ledger), which runs before
+the upload leaves the client: before ``on_before_aggregate`` and before the server reads anything.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from fedfdp.federation import Federation
     from fedfdp.metrics import EvaluationResult
     from fedfdp.privacy.accounting import DPEvent
+    from fedfdp.privacy.validation import DPRelease
     from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
 
@@ -45,6 +48,13 @@ class FederationCallback(Callback):
         """DP events this callback adds to one round of ``client_id`` (for budget planning)."""
         return []
 
+    def dp_releases(self, federation: Federation) -> list[DPRelease]:
+        """The private releases this callback makes (σ and C; checked at start by the accountant)."""
+        return []
+
+    def setup_federation(self, trainer: Trainer, federation: Federation) -> None:
+        """Called once at start, after the algorithm's setup and before the rounds are planned."""
+
     def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,
                        client_ids: list[int]) -> None:
         """Called before any client of the round trains."""
@@ -52,6 +62,12 @@ class FederationCallback(Callback):
     def on_client_update(self, trainer: Trainer, federation: Federation, client: ClientModule,
                          data: ClientData, update: ClientUpdate) -> None:
         """Called after one client's local update, with the local model still loaded in ``client``."""
+
+    def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
+        """Called once a client's upload is final (after every ``on_client_update``), before it leaves.
+
+        Runs on the process that trained the client; the place to make releases durable.
+        """
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +40,14 @@ class RunSummary(FederationCallback):
     """Writes ``summary.json`` after every evaluation (so an interrupted run keeps its results).
 
     Contents: rounds run, the final evaluation (pooled accuracy, per-client accuracy and loss, Ψ
-    variants, accuracy dispersion), the best pooled accuracy, ε spent (and budgeted ε), seconds
-    per round and peak memory.
+    variants, accuracy dispersion), the best pooled accuracy, ε spent (and budgeted ε), the seed,
+    seconds per round, peak memory and ``wall_seconds``.
+
+    A resumed run's summary covers the whole run: the history, best accuracy and round times come
+    with the checkpoint, and ``wall_seconds`` is this session's wall time (since this callback was
+    built: with the command line, since the run was set up, data loading included) plus that of
+    the earlier sessions as of their last summary or checkpoint (what a killed session spent after
+    it is not known).
 
     Args:
         dirpath: where to write (default: the trainer's ``default_root_dir``, i.e. the run directory).
@@ -53,11 +60,39 @@ class RunSummary(FederationCallback):
         self.best_accuracy: float | None = None
         self.best_round: int | None = None
         self.history: list[dict[str, float]] = []
+        self._earlier_wall = 0.0  # wall seconds of earlier sessions of the run
+        self._earlier_rounds = (0.0, 0)  # (seconds, rounds) timed by earlier sessions
+        self._session_rounds = (0.0, 0)  # (seconds, rounds) timed by this session
+        self._session_start = time.monotonic()  # this session: from building the run (data loading included)
 
     def _path(self, trainer: Trainer) -> Path:
         path = Path(self.dirpath or trainer.default_root_dir)
         path.mkdir(parents=True, exist_ok=True)
         return path / "summary.json"
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """On a resume, count the wall time of the earlier sessions as their last summary has it."""
+        if trainer.ckpt_path is None:
+            return
+        path = Path(self.dirpath or trainer.default_root_dir) / "summary.json"
+        try:
+            earlier = float(json.loads(path.read_text()).get("wall_seconds") or 0.0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return
+        self._earlier_wall = max(self._earlier_wall, earlier)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Note this session's round times (for :meth:`state_dict`, which checkpoints save)."""
+        seconds = getattr(pl_module, "round_seconds", None) or []
+        self._session_rounds = (float(sum(seconds)), len(seconds))
+
+    def wall_seconds(self) -> float:
+        """Wall time of the whole run: the earlier sessions' plus this one's so far."""
+        return self._earlier_wall + (time.monotonic() - self._session_start)
+
+    def _round_seconds(self) -> tuple[float, int]:
+        return self._earlier_rounds[0] + self._session_rounds[0], self._earlier_rounds[1] + self._session_rounds[1]
 
     def on_evaluate(self, trainer: Trainer, federation: Federation, result: EvaluationResult,
                     metrics: dict[str, Any]) -> None:
@@ -73,6 +108,8 @@ class RunSummary(FederationCallback):
         """The summary dictionary for the latest evaluation."""
         accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
         seconds = federation.round_seconds
+        self._session_rounds = (float(sum(seconds)), len(seconds))
+        total, timed = self._round_seconds()
         out: dict[str, Any] = {
             "rounds_run": result.round,
             "rounds_planned": federation.total_rounds,
@@ -83,7 +120,9 @@ class RunSummary(FederationCallback):
             "best_accuracy_round": self.best_round,
             "clients": {"accuracy": result.client_accuracy.tolist(), "loss": result.client_loss.tolist(),
                         "train_size": [int(w) for w in result.weights.tolist()]},
-            "seconds_per_round": sum(seconds) / len(seconds) if seconds else None,
+            "seed": federation.seed,
+            "seconds_per_round": total / timed if timed else None,
+            "wall_seconds": self.wall_seconds(),
             "peak_memory_mb": peak_memory_mb(),
             "dp_valid": bool(getattr(federation.algorithm, "dp_valid", True)),
             "history": self.history,
@@ -94,6 +133,7 @@ class RunSummary(FederationCallback):
             out["delta"] = accountant.delta
             out["target_epsilon"] = accountant.target_epsilon
             out["accounting_mode"] = accountant.accounting_mode
+            out["dp_valid"] = out["dp_valid"] and not accountant.unbounded  # allow_non_private ran a release without a guarantee
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -110,14 +150,20 @@ class RunSummary(FederationCallback):
             logger.info("report written to %s", write_report(path.parent))
 
     def state_dict(self) -> dict[str, Any]:
-        """Best accuracy and the evaluation history (so a resumed run's summary is complete)."""
-        return {"best_accuracy": self.best_accuracy, "best_round": self.best_round, "history": self.history}
+        """Best accuracy, evaluation history, wall and round times (so a resumed run's summary is complete)."""
+        total, timed = self._round_seconds()
+        return {"best_accuracy": self.best_accuracy, "best_round": self.best_round, "history": self.history,
+                "wall_seconds": self.wall_seconds(), "round_seconds": [total, timed]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (checkpoints without wall or round times count them as 0)."""
         self.best_accuracy = state_dict["best_accuracy"]
         self.best_round = state_dict["best_round"]
         self.history = list(state_dict["history"])
+        self._earlier_wall = float(state_dict.get("wall_seconds", 0.0))
+        total, timed = state_dict.get("round_seconds", (0.0, 0))
+        self._earlier_rounds = (float(total), int(timed))
+        self._session_rounds = (0.0, 0)
 
 
 class ClientTableLogger(FederationCallback):

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.federated import FederatedDataModule
+from datamodules.federated import FederatedDataModule, check_finite
+from datamodules.paths import data_roots
 from fedfdp.errors import DataError
 
 __all__ = ["CIFAR10DataModule", "find_cifar10_dir", "read_cifar10_batch"]
@@ -24,13 +25,14 @@ TEST_BATCH = "test_batch"
 
 
 def find_cifar10_dir(data_dir: str | Path) -> Path:
-    """The folder holding the six batch files (``data_dir`` or ``data_dir/cifar-10-batches-py``)."""
-    root = Path(data_dir)
-    for candidate in (root / "cifar-10-batches-py", root):
+    """The folder holding the six batch files: ``<root>/cifar-10-batches-py`` or ``<root>`` for every
+    root of :func:`datamodules.paths.data_roots`, in order."""
+    searched = [cand for root in data_roots(data_dir) for cand in (root / "cifar-10-batches-py", root)]
+    for candidate in searched:
         if all((candidate / name).is_file() for name in (*TRAIN_BATCHES, TEST_BATCH)):
             return candidate
-    raise DataError(f"CIFAR-10 batches not found: expected {', '.join((*TRAIN_BATCHES, TEST_BATCH))} in "
-                    f"{root / 'cifar-10-batches-py'} or {root} (extract cifar-10-python.tar.gz there)")
+    raise DataError(f"data.data_dir: CIFAR-10 batches not found: expected {', '.join((*TRAIN_BATCHES, TEST_BATCH))} "
+                    f"in one of {', '.join(map(str, searched))} (extract cifar-10-python.tar.gz there)")
 
 
 def read_cifar10_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +44,9 @@ def read_cifar10_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: not a readable CIFAR-10 pickle batch ({err})") from err
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"{path}: a CIFAR-10 batch must be a dict with b'data' and b'labels'")
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
+    raw = np.asarray(batch[b"data"])
+    check_finite(raw, str(path))  # a float array with NaN would otherwise be cast to uint8 silently
+    data = raw.astype(np.uint8, copy=False)
     labels = np.asarray(batch[b"labels"], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
         raise DataError(f"{path}: b'data' must be (N, 3072) with N = {len(labels)} labels, got {data.shape}")
@@ -66,8 +70,9 @@ class CIFAR10DataModule(FederatedDataModule):
 
     def prepare_data(self) -> None:
         """Check that the batch files exist (no download: fetch the tarball yourself)."""
-        if self.download:
-            raise DataError("CIFAR10DataModule cannot download; extract cifar-10-python.tar.gz into data_dir")
+        if self.download is True:
+            raise DataError("data.download: CIFAR10DataModule cannot download; extract cifar-10-python.tar.gz "
+                            "into data_dir and set data.download: false")
         find_cifar10_dir(self.data_dir)
 
     def load_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:

@@ -33,7 +33,7 @@ from fedfdp.errors import ConfigError, DataError, require
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientSplits", "FederatedDataModule", "check_fields"]
+__all__ = ["ClientSplits", "FederatedDataModule", "check_fields", "check_finite"]
 
 Split = tuple[Tensor, Tensor]
 
@@ -98,6 +98,22 @@ def _is_real(value: object) -> bool:
     return isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_finite(x: np.ndarray | Tensor, where: str, unit: str = "sample") -> None:
+    """Raise DataError naming ``where`` when floating-point samples (``unit`` s: rows of ``x``) hold NaN or Inf.
+
+    Integer data (``uint8`` images) cannot hold either; float data (HAR signals, float IDX files,
+    a custom loader) must be caught at load, not blamed on the learning rate rounds later.
+    """
+    array = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
+    if not np.issubdtype(array.dtype, np.floating) or len(array) == 0:
+        return
+    finite = np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        raise DataError(f"{where}: NaN or Inf in {len(bad)} {unit}{'s' if len(bad) > 1 else ''} (first: {unit} "
+                        f"{int(bad[0])}, counting from 0); expected finite numbers")
+
+
 def check_fields(**checks: tuple[object, bool, str]) -> None:
     """Raise ConfigError ``"data.<field> must be <accepted>, got <value>"`` for the first failed check.
 
@@ -125,7 +141,10 @@ class FederatedDataModule(L.LightningDataModule):
         merge_official_splits: Merge the official train and test splits before partitioning
             (the paper's setting); if false only the official train split is partitioned.
         partition_seed: Seed of the partition and of the per-client train/test split (>= 0).
-        download: Download missing files (needs network access).
+        download: When the files are found nowhere (see :mod:`datamodules.paths` for where they are
+            looked for): ``"auto"`` downloads them if the network answers (an offline machine fails
+            within seconds, with one line), ``true`` downloads them (an error when that fails),
+            ``false`` never downloads. Datasets without a download ignore ``"auto"``.
     """
 
     num_classes: int = 0
@@ -145,7 +164,7 @@ class FederatedDataModule(L.LightningDataModule):
         train_fraction: float = 0.75,
         merge_official_splits: bool = True,
         partition_seed: int = 1,
-        download: bool = False,
+        download: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         check_fields(
@@ -159,7 +178,7 @@ class FederatedDataModule(L.LightningDataModule):
                 merge_official_splits, isinstance(merge_official_splits, bool), "true or false"
             ),
             partition_seed=(partition_seed, _is_int(partition_seed, 0), "an integer >= 0"),
-            download=(download, isinstance(download, bool), "true or false"),
+            download=(download, isinstance(download, bool) or download == "auto", "true, false or 'auto'"),
         )
         self.data_dir = data_dir
         self.num_clients = int(num_clients)
@@ -237,6 +256,7 @@ class FederatedDataModule(L.LightningDataModule):
             raise DataError(f"{where}: images must be (N, H, W) or (N, C, H, W) with N={len(y)}, got {x.shape}")
         if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
             raise DataError(f"{where}: labels must be in [0, {self.num_classes}), got range [{y.min()}, {y.max()}]")
+        check_finite(x, where)
         shape = (1, *x.shape[1:]) if x.ndim == 3 else tuple(x.shape[1:])
         expected = self.expected_input_shape
         if (expected is not None and shape != tuple(expected)) or shape[0] != len(self.mean):

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from datamodules.federated import ClientSplits, FederatedDataModule, check_fields
+from datamodules.federated import ClientSplits, FederatedDataModule, check_fields, check_finite
+from datamodules.paths import data_roots
 from datamodules.partition import train_test_split_indices
 from fedfdp.errors import DataError
 
@@ -35,21 +36,25 @@ HAR_SIGNALS = tuple(f"{kind}_{axis}" for kind in ("body_acc", "body_gyro", "tota
 
 
 def _root(data_dir: str | Path) -> Path:
-    base = Path(data_dir)
-    for cand in (base / "UCI HAR Dataset", base):
+    """The UCI HAR folder under the first root of :func:`datamodules.paths.data_roots` that holds it."""
+    searched = [cand for base in data_roots(data_dir) for cand in (base / "UCI HAR Dataset", base)]
+    for cand in searched:
         if (cand / "train" / "Inertial Signals").is_dir():
             return cand
-    raise DataError(f"{base}: no UCI HAR files (expected '[UCI HAR Dataset/]train/Inertial Signals/*_train.txt'); "
-                    "download the dataset from the UCI repository and point data.data_dir at it")
+    raise DataError(f"data.data_dir: no UCI HAR files in {', '.join(map(str, searched))} (expected "
+                    "'[UCI HAR Dataset/]{train,test}/Inertial Signals/*_{train,test}.txt'); download the dataset "
+                    "from the UCI repository and point data.data_dir (or FEDFDP_DATA_DIR) at it")
 
 
 def _read_txt(path: Path) -> np.ndarray:
     if not path.exists():
         raise DataError(f"{path}: missing UCI HAR file")
     try:
-        return np.loadtxt(path, dtype=np.float64, ndmin=2)
+        table = np.loadtxt(path, dtype=np.float64, ndmin=2)
     except ValueError as err:
         raise DataError(f"{path}: not a whitespace-separated numeric table ({err})") from err
+    check_finite(table, str(path), unit="row")
+    return table
 
 
 def read_uci_har(data_dir: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,6 +107,7 @@ class HARDataModule(FederatedDataModule):
         if self._store is not None:
             return
         x, y, subj = self.load_windows()
+        check_finite(x, f"{type(self).__name__} data")
         subjects = np.unique(subj)
         if self.num_clients > len(subjects):
             raise DataError(f"data.num_clients={self.num_clients} exceeds the {len(subjects)} subjects in the data")

@@ -11,13 +11,18 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
+import socket
+import threading
+import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
+from datamodules.paths import DATA_DIR_ENV, data_roots, download_root
 from fedfdp.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -166,6 +171,10 @@ def read_idx(
     array = _parse_idx(data, path)
     if ndim is not None and array.ndim != ndim:
         raise DataError(f"{path}: IDX array has shape {array.shape} (ndim={array.ndim}), expected ndim={ndim}")
+    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        bad = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1))
+        raise DataError(f"{path}: {int((~np.isfinite(array)).sum())} NaN/Inf values (first in sample "
+                        f"{int(bad[0])}); expected finite numbers")
     return array
 
 
@@ -177,9 +186,15 @@ def _spec(dataset_name: str) -> IDXDatasetSpec:
 
 
 def candidate_dirs(data_dir: str | PathLike[str], dataset_name: str) -> list[Path]:
-    """Return the folders searched for ``dataset_name``'s files, in search order."""
-    spec, root = _spec(dataset_name), Path(data_dir)
-    return [root, root / spec.torchvision_name / "raw", root / spec.folder, *spec.extra_dirs]
+    """Return the folders searched for ``dataset_name``'s files, in search order.
+
+    Every root of :func:`datamodules.paths.data_roots` (``data_dir``, ``$FEDFDP_DATA_DIR``, ``data_dir``
+    relative to the checkout, ``~/.cache/fedfdp``) with its layouts ``<root>``,
+    ``<root>/<TorchvisionName>/raw`` and ``<root>/<folder>``, then the dataset's system folders.
+    """
+    spec = _spec(dataset_name)
+    dirs = [d for root in data_roots(data_dir) for d in (root, root / spec.torchvision_name / "raw", root / spec.folder)]
+    return list(dict.fromkeys([*dirs, *spec.extra_dirs]))
 
 
 def _files_in(folder: Path) -> dict[str, Path]:
@@ -193,58 +208,126 @@ def _files_in(folder: Path) -> dict[str, Path]:
     return found
 
 
-def _download(data_dir: Path, spec: IDXDatasetSpec) -> None:
-    """Fetch the dataset with torchvision into ``data_dir/<Name>/raw``; DataError on failure."""
+#: Seconds to wait for a mirror to accept a connection before a download is given up.
+PROBE_TIMEOUT_S = 5.0
+#: Seconds a stalled download may wait for data before it fails.
+DOWNLOAD_TIMEOUT_S = 60.0
+
+Download = bool | Literal["auto"]
+
+
+def probe_network(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """``None`` when ``url``'s host accepts a TCP connection within ``timeout`` s, else the reason.
+
+    Runs in a daemon thread, so a hanging name lookup cannot hang the caller.
+    """
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or url
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(" ".join(str(exc).split()) or type(exc).__name__)
+
+    thread = threading.Thread(target=connect, name="fedfdp-network-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    if not outcome:
+        return f"offline? no answer from {host} within {timeout:g} s"
+    return None if outcome[0] is None else f"offline? cannot reach {host}: {outcome[0]}"
+
+
+def _download(target: Path, spec: IDXDatasetSpec) -> str | None:
+    """Fetch the dataset with torchvision into ``target/<Name>/raw``; ``None`` or why it failed.
+
+    The mirrors are probed first (a few seconds at most), so an offline machine fails fast
+    instead of waiting on the network; a stalled transfer fails after :data:`DOWNLOAD_TIMEOUT_S`.
+    """
     import torchvision.datasets as tvd
 
-    target = data_dir / spec.torchvision_name / "raw"
-    logger.info("downloading %s into %s", spec.torchvision_name, target)
+    dataset = getattr(tvd, spec.torchvision_name)
+    mirrors = list(getattr(dataset, "mirrors", []) or [])
+    if mirrors:
+        reasons = [probe_network(url) for url in mirrors]
+        if all(reasons):
+            return "; ".join(str(r) for r in reasons)
+    logger.info("downloading %s into %s", spec.torchvision_name, target / spec.torchvision_name / "raw")
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        getattr(tvd, spec.torchvision_name)(root=str(data_dir), download=True)
+        dataset(root=str(target), download=True)
     except Exception as exc:  # network errors come as URLError, RuntimeError, OSError, ...
-        reason = " ".join(str(exc).split())
-        raise DataError(
-            f"data.download: could not download {spec.torchvision_name} into {target} ({reason}); "
-            f"copy the files {', '.join(f'{n}.gz' for n in FILE_NAMES.values())} there instead"
-        ) from exc
+        return " ".join(str(exc).split()) or type(exc).__name__
+    finally:
+        socket.setdefaulttimeout(previous)
+    return None
+
+
+def _first_complete(dirs: list[Path]) -> dict[str, Path] | None:
+    """The files of the first folder in ``dirs`` that holds all four, or ``None``."""
+    return next((f for f in map(_files_in, dirs) if len(f) == len(FILE_NAMES)), None)
 
 
 def find_idx_files(
-    data_dir: str | PathLike[str], dataset_name: str, *, verify: bool = True, download: bool = False
+    data_dir: str | PathLike[str], dataset_name: str, *, verify: bool = True, download: Download = False
 ) -> dict[str, Path]:
     """Locate the four IDX files of a dataset, optionally downloading and verifying them.
 
-    Searched in order (first folder holding all four files wins; each file ``.gz`` or not):
-    ``data_dir``, ``data_dir/<TorchvisionName>/raw``, ``data_dir/<folder>`` and, for
-    FashionMNIST, ``/usr/share/datasets/fashion-mnist`` (Debian package).
+    Searched in the order of :func:`candidate_dirs` (first folder holding all four files wins;
+    each file ``.gz`` or not): every root of :func:`datamodules.paths.data_roots` with the layouts
+    ``<root>``, ``<root>/<TorchvisionName>/raw`` and ``<root>/<folder>``, then, for FashionMNIST,
+    ``/usr/share/datasets/fashion-mnist`` (Debian package).
 
     Args:
         data_dir: Root data folder.
         dataset_name: A key of :data:`IDX_DATASETS` (``"FashionMNIST"`` or ``"MNIST"``).
         verify: Check the md5 of every decompressed file against the reference.
-        download: When nothing is found, download through torchvision (needs network).
+        download: When nothing is found: ``True`` downloads through torchvision into
+            :func:`datamodules.paths.download_root` (an error when that fails), ``"auto"`` tries
+            the same and reports the failure in the not-found error, ``False`` does not try.
 
     Returns:
         Paths keyed ``train_images``, ``train_labels``, ``test_images``, ``test_labels``.
 
     Raises:
-        DataError: When the files are missing (listing the folders searched and the expected
-            names), the download fails, or a checksum differs.
+        DataError: When the files are missing (one line listing the folders searched, the
+            expected names and how to download), the download fails, or a checksum differs.
     """
-    spec, root = _spec(dataset_name), Path(data_dir)
-    dirs = candidate_dirs(root, dataset_name)
-    files = next((f for f in map(_files_in, dirs) if len(f) == len(FILE_NAMES)), None)
-    if files is None and download:
-        _download(root, spec)
-        files = _files_in(root / spec.torchvision_name / "raw")
-    if files is None or len(files) != len(FILE_NAMES):
+    spec = _spec(dataset_name)
+    dirs = candidate_dirs(data_dir, dataset_name)
+    files = _first_complete(dirs)
+    failure: str | None = None
+    if files is None and download in (True, "auto"):
+        target = download_root(data_dir)
+        failure = _download(target, spec)
+        if failure is None:
+            files = _first_complete([target / spec.torchvision_name / "raw"])
+        elif download is True:
+            raise DataError(
+                f"data.download: could not download {dataset_name} into {target / spec.torchvision_name / 'raw'} "
+                f"({failure}); copy the files {', '.join(f'{n}.gz' for n in FILE_NAMES.values())} into one of "
+                f"{', '.join(map(str, dirs))} instead"
+            )
+    if files is None:
         partial = [f"{d} has only {sorted(p.name for p in f.values())}" for d in dirs if (f := _files_in(d))]
+        if failure is not None:
+            how = (f"the automatic download (data.download: auto) failed: {failure}; copy the files into one "
+                   f"of these folders or set {DATA_DIR_ENV} to a folder holding them")
+        else:
+            how = (f"set data.download: true (--data.init_args.download true) to fetch them when online, or "
+                   f"set {DATA_DIR_ENV} to a folder holding them")
         raise DataError(
             f"data.data_dir: {dataset_name} files not found; searched {', '.join(map(str, dirs))}"
             f"{' (' + '; '.join(partial) + ')' if partial else ''}; expected "
-            f"{', '.join(FILE_NAMES.values())} (each optionally .gz); "
-            "set data.download: true to fetch them when online"
+            f"{', '.join(FILE_NAMES.values())} (each optionally .gz); {how}"
         )
+    folder = next(iter(files.values())).parent
+    if folder not in dirs[:3]:
+        logger.info("%s: using the files in %s (data_dir %s)", dataset_name, folder, data_dir)
     if verify:
         for key, path in files.items():
             _check_md5(_read_bytes(path), path, spec.md5[key])
@@ -252,7 +335,7 @@ def find_idx_files(
 
 
 def load_idx_dataset(
-    data_dir: str | PathLike[str], dataset_name: str, *, verify: bool = True, download: bool = False
+    data_dir: str | PathLike[str], dataset_name: str, *, verify: bool = True, download: Download = False
 ) -> tuple[dict[str, np.ndarray], dict[str, Path]]:
     """Find and read a dataset's four IDX files, decompressing each file only once.
 
@@ -260,7 +343,7 @@ def load_idx_dataset(
         data_dir: Root data folder (see :func:`find_idx_files` for the layouts searched).
         dataset_name: A key of :data:`IDX_DATASETS`.
         verify: Check each decompressed file's md5 while reading it.
-        download: Download through torchvision when the files are missing.
+        download: ``True``, ``"auto"`` or ``False``: see :func:`find_idx_files`.
 
     Returns:
         ``(arrays, paths)``: images ``(N, H, W)`` and labels ``(N,)`` keyed like

@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector
 
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.release import add_gaussian_noise
+from fedfdp.privacy.validation import replace_batchnorm as replace_batchnorm_layers
 from fedfdp.types import LocalBatch, StepOutput
 
 
@@ -34,13 +35,17 @@ class ClientModule(LightningModule):
         per_sample: per-sample gradient engine: ``ghost`` (norms without materialising
             per-sample gradients; Linear/Conv2d models), ``vmap`` (``torch.func``, any model) or
             ``auto`` (ghost when supported).
+        replace_batchnorm: replace every BatchNorm of ``net`` by a GroupNorm over the same
+            channels (as Opacus' ``ModuleValidator.fix``). BatchNorm mixes the samples of a batch,
+            so a private run refuses it; this opts in to the replacement.
     """
 
-    def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto") -> None:
+    def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto",
+                 replace_batchnorm: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.net = net
-        self.engine = make_engine(net, per_sample, self.per_sample_loss)
+        self.net = replace_batchnorm_layers(net) if replace_batchnorm else net
+        self.engine = make_engine(self.net, per_sample, self.per_sample_loss)
         # The local optimizer is a plain torch optimizer, not one returned by configure_optimizers:
         # the trainer's optimizer is the server's, whose steps count rounds (global_step).
         self.local_optimizer = self.configure_local_optimizer()
@@ -115,20 +120,37 @@ class ClientModule(LightningModule):
         ``G = Σ_j s_j g_j + N(0, (σC)² I)``, ``w ← w − η G / n`` where ``s_j`` comes from the clip
         rule (flat or fair), ``σC = noise_std`` and ``n = denominator`` (expected batch size by
         default). Noise is added even for an empty batch.
+
+        The work is split in two reusable halves: the clipped sum ``Σ_j s_j g_j`` from the
+        per-sample engine, and :meth:`apply_private_sum` (noise, normalisation, optimizer step).
+        A stacked round (:mod:`fedfdp.stacked`) forms the clipped sums of several clients from one
+        pass over their joint batch and calls :meth:`apply_private_sum` per client.
         """
         assert batch.clip_rule is not None and batch.generator is not None
         result = self.engine.compute(batch.x, batch.y)
         factors = batch.clip_rule(result.losses, result.norms)
-        noisy = add_gaussian_noise(result.weighted_sum(factors), batch.noise_std, batch.generator)
+        return self.apply_private_sum(batch, result.weighted_sum(factors), result.losses, result.norms, factors)
+
+    def apply_private_sum(self, batch: LocalBatch, clipped_sum: list[Tensor], losses: Tensor, norms: Tensor,
+                          factors: Tensor) -> StepOutput:
+        """The private step once ``clipped_sum = Σ_j s_j g_j`` of ``batch`` is known (Eq. 12-13).
+
+        Adds ``N(0, (σC)² I)`` drawn from ``batch.generator``, sets ``grad = G / n``, applies the
+        algorithm's ``grad_transform``, and steps the local optimizer at ``batch.lr`` from the
+        parameters currently loaded. ``losses``, ``norms`` and ``factors`` are the batch's
+        per-sample ``ℓ_j``, ``‖g_j‖`` and ``s_j`` (diagnostics only).
+        """
+        assert batch.generator is not None
+        noisy = add_gaussian_noise(clipped_sum, batch.noise_std, batch.generator)
         for param, grad in zip(self.trainable_parameters(), noisy):
             param.grad = grad.div_(batch.denominator)  # ``grad`` is a fresh tensor
         self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()
         n = int(batch.y.shape[0])
-        clipped = float((result.norms * factors.abs() < result.norms - 1e-12).float().mean()) if n else 0.0
+        clipped = float((norms * factors.abs() < norms - 1e-12).float().mean()) if n else 0.0
         negative = float(getattr(batch.clip_rule, "last_negative_fraction", 0.0))
-        loss = float(result.losses.mean()) if n else 0.0
+        loss = float(losses.mean()) if n else 0.0
         quantiles = tuple(torch.quantile(factors.float(), _QUANTILES.to(factors.device)).tolist()) if n else (0.0,) * 3
         return StepOutput(loss=loss, batch_size=n, negative_fraction=negative, clipped_fraction=clipped,
                           factor_quantiles=quantiles)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, requ
 from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.seeding import RandomSource, make_generator, numpy_generator
+from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientData, ClientUpdate
 
 if TYPE_CHECKING:
@@ -81,18 +82,28 @@ class Federation(LightningModule):
         secure_rng: draw Poisson masks and DP noise from the OS CSPRNG instead of seeded
             generators (for deployments; runs are then not reproducible). Off by default for speed
             and reproducibility.
+        stacked_round: run a round's one-step private updates as one pass over the union of the
+            clients' batches (:mod:`fedfdp.stacked`) whenever the algorithm declares a stackable
+            step; same random streams and results (up to float rounding) as client by client.
+            Off: always client by client.
+        stacked_max_batch: samples per engine pass of a stacked round (groups of whole clients);
+            null: 512 on CPU (larger batches leave the cache and cost more per sample), in effect
+            the whole union on accelerators.
     """
 
     def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
                  clients_per_round: int | None = None, eval_every: int = 10, eval_train_splits: bool = True,
                  eval_batch_size: int = 1024, server_optimizer: OptimizerCallable = _server_sgd,
-                 seed: int = 0, secure_rng: bool = False) -> None:
+                 seed: int = 0, secure_rng: bool = False, stacked_round: bool = True,
+                 stacked_max_batch: int | None = None) -> None:
         super().__init__()
         require(num_rounds is None or num_rounds >= 1, f"model.num_rounds must be >= 1 or null, got {num_rounds}")
         require(clients_per_round is None or clients_per_round >= 1,
                 f"model.clients_per_round must be >= 1 or null, got {clients_per_round}")
         require(eval_every >= 1, f"model.eval_every must be >= 1, got {eval_every}")
         require(eval_batch_size >= 1, f"model.eval_batch_size must be >= 1, got {eval_batch_size}")
+        require(stacked_max_batch is None or stacked_max_batch >= 1,
+                f"model.stacked_max_batch must be >= 1 or null, got {stacked_max_batch}")
         if not isinstance(algorithm, Algorithm):
             raise ConfigError(f"model.algorithm must be an fedfdp.algorithms.Algorithm, got {type(algorithm).__name__}")
         self.automatic_optimization = False
@@ -107,7 +118,11 @@ class Federation(LightningModule):
         self.server_optimizer = server_optimizer
         self.seed = seed
         self.secure_rng = secure_rng
+        self.stacked_round = stacked_round
+        self.stacked_max_batch = stacked_max_batch
+        self._stacked = StackedRound(stacked_max_batch)
         self.total_rounds = num_rounds or 0
+        self.start_round = 0  # rounds already done when fitting starts (the checkpoint's round)
         self.current_round = 0
         self.last_evaluation: EvaluationResult | None = None
         self._round_seconds: list[float] = []
@@ -140,7 +155,16 @@ class Federation(LightningModule):
                     f"(it privatises/accounts or provides what the algorithm releases)")
         self._check_distributed(callbacks)
         self.algorithm.setup(self)
-        limits = [lim for cb in callbacks if (lim := cb.max_rounds(self.trainer, self)) is not None]
+        for cb in callbacks:
+            cb.setup_federation(self.trainer, self)
+        self.start_round = 0
+        self._plan_rounds()  # planned again in on_fit_start, once a checkpoint is restored
+        logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
+                    type(self.algorithm).__name__)
+
+    def _plan_rounds(self) -> None:
+        """``total_rounds``: the smallest of ``num_rounds`` and every callback's limit (the budget)."""
+        limits = [lim for cb in self.federation_callbacks() if (lim := cb.max_rounds(self.trainer, self)) is not None]
         if self.num_rounds is not None:
             limits.append(self.num_rounds)
         if not limits:
@@ -150,8 +174,6 @@ class Federation(LightningModule):
         if self.num_rounds is not None and self.total_rounds < self.num_rounds:
             logger.info("privacy budget allows %d of the %d requested rounds", self.total_rounds, self.num_rounds)
         self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds
-        logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
-                    type(self.algorithm).__name__)
 
     def _check_distributed(self, callbacks: list[FederationCallback]) -> None:
         """Several processes need a strategy that does not all-reduce gradients, and parts that allow it."""
@@ -185,19 +207,24 @@ class Federation(LightningModule):
         checkpoint["fedfdp"] = {"algorithm": self.algorithm.state_dict(), "total_rounds": self.total_rounds}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the algorithm's server state; refuse a run that has no rounds left.
+        """Restore the algorithm's server state and note the checkpoint's round."""
+        self.start_round = int(checkpoint.get("global_step", 0))
+        self.algorithm.load_state_dict(checkpoint["fedfdp"]["algorithm"])
 
-        ``setup`` (which fixes ``total_rounds`` from ``num_rounds`` and the privacy budget) runs
-        before Lightning restores a checkpoint, so a finished run is caught here, before Lightning
-        would silently stop at ``max_steps``.
+    def on_fit_start(self) -> None:
+        """Plan the rounds again now that any checkpoint is restored; refuse a run with none left.
+
+        ``setup`` runs before Lightning restores a checkpoint (and the callbacks' state); here the
+        rounds are planned from the checkpoint's round and the privacy ledger (which holds every
+        release, those after the checkpoint included), before Lightning would silently stop at
+        ``max_steps``.
         """
-        done = int(checkpoint.get("global_step", 0))
-        if done >= self.total_rounds:
+        self._plan_rounds()
+        if self.start_round >= self.total_rounds:
             raise PrivacyBudgetError(
-                f"the checkpoint is at round {done} and this run allows {self.total_rounds} rounds "
+                f"the checkpoint is at round {self.start_round} and this run allows {self.total_rounds} rounds "
                 f"(model.num_rounds and the privacy budget); nothing left to train: raise model.num_rounds "
                 f"if the budget allows it")
-        self.algorithm.load_state_dict(checkpoint["fedfdp"]["algorithm"])
 
     # ---- federation ----------------------------------------------------------------------------
     @property
@@ -237,6 +264,12 @@ class Federation(LightningModule):
         for cb in self.federation_callbacks():
             getattr(cb, hook)(self.trainer, self, *args)
 
+    def release_client_update(self, data: ClientData, update: ClientUpdate) -> None:
+        """A client's upload is done: ``on_client_update`` with its local model still loaded in
+        ``self.client``, then ``on_client_release`` (charged, and on disk, before the upload leaves)."""
+        self._call("on_client_update", self.client, data, update)
+        self._call("on_client_release", update)
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: broadcast, local updates, privatised uploads, aggregation, evaluation."""
         start = time.perf_counter()
@@ -247,14 +280,18 @@ class Federation(LightningModule):
 
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
         rank, world = rank_and_world()
+        stacked = self._stacked.plan(self, context) if self.stacked_round else None
         local: list[ClientUpdate] = []
-        for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
-            self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
-            data = self.client_data(cid)
-            generator = self.generator("client", round_idx, cid)
-            update = self.algorithm.local_update(self.client, data, context, generator)
-            self._call("on_client_update", self.client, data, update)
-            local.append(update)
+        if stacked is not None:  # one engine pass over the union of the clients' batches (one process)
+            local = self._stacked.run(self, stacked, client_ids, global_params)
+        else:
+            for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
+                self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
+                data = self.client_data(cid)
+                generator = self.generator("client", round_idx, cid)
+                update = self.algorithm.local_update(self.client, data, context, generator)
+                self.release_client_update(data, update)
+                local.append(update)
         # one exchange per round; afterwards every process holds every upload in client order and
         # runs the same accounting, aggregation and server step
         order = {cid: k for k, cid in enumerate(client_ids)}
@@ -264,8 +301,7 @@ class Federation(LightningModule):
             if not torch.isfinite(update.params).all() or (
                     update.reported_loss is not None and not math.isfinite(update.reported_loss)):
                 raise DivergenceError(f"round {round_idx + 1}: client {update.client_id} produced a non-finite "
-                                      f"model or loss (diverged; lower algorithm.lr?); the last checkpoint and "
-                                      f"summary.json are kept")
+                                      f"model or loss (diverged; lower algorithm.lr?)")
         self._call("on_before_aggregate", updates)
 
         target = self.algorithm.aggregate(global_params, updates, context)

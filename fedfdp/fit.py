@@ -6,10 +6,17 @@ A :class:`lightning.pytorch.cli.LightningCLI` (jsonargparse) over :class:`fedfdp
 On top it sets up a run directory (resolved ``config.yaml``, CSV metrics, checkpoints,
 ``summary.json``, the W&B run), resumes with ``--ckpt_path last``, and turns configuration or
 data errors into one ``error:`` line and exit status 2.
+
+A run directory holds one run (:mod:`fedfdp.rundir`): a fresh start into a directory that holds
+a run, a resume that would change the run, and a second process on a locked directory are
+refused before anything is written; a resume needs no ``--config`` (the saved ``config.yaml``
+is used), and its metrics, summary, report and progress bar continue those of the run.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import sys
@@ -17,20 +24,30 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+import yaml
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
 
+from callbacks.accounting import RDPAccounting
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
+from fedfdp.cli_errors import config_file_problem, config_paths, explain_parse_error
 from fedfdp.errors import ConfigError, FedFDPError
 from fedfdp.federation import Federation
+from fedfdp.rundir import CONFIG_NAME, RunLock, check_resume, run_files, with_saved_config
+from fedfdp.runlog import RunCSVLogger
 
 logger = logging.getLogger("fedfdp")
+
+
+WandbMode = Literal["auto", "online", "offline", "disabled"]
+#: Values of ``WANDB_MODE`` that W&B itself accepts.
+_WANDB_ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 
 
 def wandb_mode(requested: str) -> str:
@@ -38,10 +55,18 @@ def wandb_mode(requested: str) -> str:
 
     Without a key (or without network, which we cannot probe without risking a hang) ``auto``
     logs offline; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads later.
+
+    Raises:
+        ConfigError: When ``WANDB_MODE`` or ``requested`` is not a W&B mode.
     """
     env = os.environ.get("WANDB_MODE")
     if env:
+        if env not in _WANDB_ENV_MODES:
+            raise ConfigError(f"WANDB_MODE must be one of {', '.join(_WANDB_ENV_MODES)}, got {env!r} "
+                              "(or unset it and use --wandb)")
         return env
+    if requested not in get_args(WandbMode):
+        raise ConfigError(f"wandb must be one of {', '.join(get_args(WandbMode))}, got {requested!r}")
     if requested != "auto":
         return requested
     netrc = Path.home() / ".netrc"
@@ -50,7 +75,27 @@ def wandb_mode(requested: str) -> str:
 
 
 class ConfigToLoggers(SaveConfigCallback):
-    """Saves the resolved config in the run directory and sends it to every logger (W&B's config)."""
+    """Saves the resolved config in the run directory and sends it to every logger (W&B's config).
+
+    ``config.yaml`` is written when training starts, not at ``setup`` like Lightning's callback:
+    a start refused while setting up or restoring the checkpoint (data errors, a spent privacy
+    budget) then leaves the run directory as it was. ``ckpt_path`` is saved as null (it says how
+    one invocation started, not what the run is); ``run_dir`` is the actual run directory.
+    """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Nothing yet: see :meth:`on_train_start`."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Write ``config.yaml`` and log the config, now that every check has passed."""
+        full = self.config
+        self.config = full.clone()
+        if "ckpt_path" in self.config:
+            self.config["ckpt_path"] = None
+        try:
+            super().setup(trainer, pl_module, "fit")
+        finally:
+            self.config = full
 
     def save_config(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         """Log the flattened resolved config as hyper-parameters."""
@@ -68,14 +113,35 @@ class FedFDPCLI(LightningCLI):
                             help="run directory (default: runs/<config name>/<timestamp>)")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="checkpoint to resume from; 'last' resumes the run in --run_dir")
-        parser.add_argument("--wandb", type=str, default="auto",
+        parser.add_argument("--wandb", type=WandbMode, default="auto",
                             help="W&B mode: auto (online with an API key, else offline), online, offline, disabled")
         parser.add_argument("--wandb_project", type=str, default="fedfdp", help="W&B project")
         parser.add_argument("--wandb_group", type=str | None, default=None,
                             help="W&B group of runs of one experiment (default: the config file name)")
         parser.link_arguments("seed_everything", "model.seed")
+        # LightningCLI's optimizer/lr_scheduler options are off (auto_configure_optimizers=False):
+        # the federation has its own. The keys stay, null only and hidden, so config.yaml files
+        # written before still load (resume).
+        for key in _UNUSED_LIGHTNING_KEYS:
+            parser.add_argument(f"--{key}", type=Any, default=None, help=argparse.SUPPRESS)
+        _hide_from_help(parser, [f"trainer.{name}" for name in IGNORED_TRAINER_OPTIONS])
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse like LightningCLI; a parse error becomes a :class:`ConfigError` of one clear line."""
+        from jsonargparse import ArgumentError
+
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ConfigError(explain_parse_error(str(err), parser)) from err
+        for key in _UNUSED_LIGHTNING_KEYS:
+            if self.config.get(key) is not None:
+                raise ConfigError(f"{key} is not used by fedfdp, got {self.config[key]!r}: the clients' "
+                                  "optimisation is the algorithm's (model.algorithm.init_args.lr, ...) and the "
+                                  f"server's is model.server_optimizer; leave {key} unset")
 
     def _run_dir(self) -> Path:
+        """``--run_dir``; for ranks > 0 the launching process's; else ``runs/<config name>/<timestamp>``."""
         config = self.config
         if config.get("run_dir"):
             return Path(config["run_dir"])
@@ -85,30 +151,95 @@ class FedFDPCLI(LightningCLI):
         stem = Path(str(configs[-1])).stem if configs else "run"
         return Path("runs") / stem / time.strftime("%Y%m%d-%H%M%S")
 
+    def _dump(self, config: Any) -> dict[str, Any]:
+        """``config`` as the plain dictionary that ``config.yaml`` holds."""
+        return yaml.safe_load(self.parser.dump(config, skip_none=False)) or {}
+
+    def _saved_config(self, run_dir: Path) -> dict[str, Any]:
+        """``run_dir/config.yaml`` as this version reads it (options it lacks get today's defaults).
+
+        A saved top-level option that this version no longer has is dropped when it is null.
+        """
+        path = run_dir / CONFIG_NAME
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"cannot read {path} to check the resume: {_one_line(str(err))}") from err
+        known = set(self._dump(self.config))
+        error: Exception | None = None
+        for candidate in (raw, {k: v for k, v in raw.items() if k in known or v is not None}):
+            try:
+                return self._dump(self.parser.parse_object(candidate))
+            except Exception as err:  # jsonargparse's errors have no common base beyond Exception
+                error = err
+        raise ConfigError(f"{path} is not a configuration this version reads ({_one_line(str(error))}); "
+                          f"resume with the --config of the run")
+
+    def _check_run_dir(self, run_dir: Path, resuming: bool, *, probe_lock: bool = True) -> None:
+        """Refuse a start that does not fit ``run_dir``; reads only, so a refusal changes no file.
+
+        * ``--ckpt_path last`` needs the ``--run_dir`` of the run to resume;
+        * a directory that another process holds (:class:`fedfdp.rundir.RunLock`) is refused;
+        * a fresh start needs a directory without an earlier run (:func:`fedfdp.rundir.run_files`);
+        * a resume of a directory with a ``config.yaml`` must not change the run: any difference
+          outside the allow-list :data:`fedfdp.rundir.HARMLESS` (logging and progress options,
+          ``ckpt_path``, ``run_dir``, the data location) is refused, and ``model.num_rounds``
+          may only be raised (:func:`fedfdp.rundir.check_resume`).
+        """
+        if self.config.get("ckpt_path") == "last" and not self.config.get("run_dir"):
+            raise ConfigError("--ckpt_path last resumes the run in --run_dir: give the --run_dir of the run to resume")
+        if probe_lock:
+            RunLock.check_free(run_dir)
+        if not resuming:
+            found = run_files(run_dir)
+            if found:
+                raise ConfigError(f"run_dir {run_dir} already holds a run's results ({', '.join(found)}); "
+                                  f"choose another --run_dir or resume it with --ckpt_path last")
+        elif (run_dir / CONFIG_NAME).is_file():
+            check_resume(run_dir, self._saved_config(run_dir), self._dump(self.config))
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Add the run directory, CSV + W&B loggers, checkpointing and summary unless configured."""
+        """Check and lock the run directory, then add loggers, checkpointing, summary and progress bar.
+
+        Every reason to refuse the start that concerns the run directory is checked first, reading
+        only (:meth:`_check_run_dir`). Then the directory is created and locked
+        (:class:`fedfdp.rundir.RunLock`, held by :class:`RunDirGuard` until fitting ends) and the
+        checks are repeated under the lock. Processes that Lightning's DDP launcher starts for
+        ranks > 0 use rank 0's directory and neither check nor lock it. Nothing else is written
+        here (but a W&B run's id, :meth:`_loggers`): ``config.yaml`` is written when training
+        starts (:class:`ConfigToLoggers`), metrics, checkpoints and the summary as rounds finish,
+        so a start refused later (bad data, spent budget) leaves an existing run directory as it
+        was, and removes one it created.
+        """
         run_dir = self._run_dir()
         resuming = self.config.get("ckpt_path") is not None
-        if (run_dir / "summary.json").exists() and not resuming:
-            raise ConfigError(f"run_dir {run_dir} already holds a run's results; choose another --run_dir "
-                              f"or resume it with --ckpt_path last")
+        lock: RunLock | None = None
+        if not _is_launched_process():
+            self._check_run_dir(run_dir, resuming)
+            lock = RunLock(run_dir).acquire()
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write_test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"run_dir {run_dir} is not writable: {err.strerror}") from err
+            if lock is not None:
+                self._check_run_dir(run_dir, resuming, probe_lock=False)  # another run may have ended meanwhile
+            return self._instantiate_trainer_in(run_dir, lock, **kwargs)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    def _instantiate_trainer_in(self, run_dir: Path, lock: RunLock | None, **kwargs: Any) -> Trainer:
+        """The trainer of a run in ``run_dir`` (checked and locked by :meth:`instantiate_trainer`)."""
         self.run_dir = run_dir
+        self.config["run_dir"] = str(run_dir)  # config.yaml records the actual run directory
         # processes that Lightning's DDP launcher starts later inherit the environment: same run dir
         os.environ[_RUN_DIR_ENV] = str(run_dir)
-        if resuming and not _is_launched_process() and (run_dir / "metrics.csv").exists():  # Lightning's CSVLogger would delete it
-            (run_dir / "metrics.csv").rename(run_dir / f"metrics.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.csv")
         trainer_cfg = self.config_init.get("trainer", {})
         kwargs.setdefault("default_root_dir", str(run_dir))
         if trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = self._loggers(run_dir)
         callbacks = list(trainer_cfg.get("callbacks") or [])
+        for cb in callbacks:  # the durable privacy ledger lives in the run directory
+            if isinstance(cb, RDPAccounting) and getattr(cb, "ledger_path", None) is None:
+                cb.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             every = int(self.config_init["model"].eval_every)
             callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="round-{step}", auto_insert_metric_name=False,
@@ -119,11 +250,24 @@ class FedFDPCLI(LightningCLI):
         if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
                 isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(RoundProgressBar())
+        callbacks.append(RunDirGuard(run_dir, lock))
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
     def _loggers(self, run_dir: Path) -> list[Logger]:
-        loggers: list[Logger] = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+        """``metrics.csv`` in the run directory, plus a W&B run unless W&B is disabled.
+
+        The CSV logger (:class:`fedfdp.runlog.RunCSVLogger`) writes into the run directory itself and
+        keeps an existing ``metrics.csv``, so Lightning's "log directory is not empty, previous log
+        files will be deleted" warning (every run directory holds ``config.yaml`` and ``checkpoints/``)
+        has no cause left.
+
+        W&B cannot resume an offline run: a resumed process would write a second
+        ``offline-run-*-<id>`` directory with the same id, and ``wandb sync`` would replace the first
+        one with it. An offline continuation therefore gets its own id (``<id>-r1``, ...) in the same
+        group, so every W&B directory holds one run and syncing loses nothing.
+        """
+        loggers: list[Logger] = [RunCSVLogger(save_dir=str(run_dir), name="", version="")]
         mode = wandb_mode(self.config["wandb"])
         if mode != "disabled":
             from lightning.pytorch.loggers import WandbLogger
@@ -131,13 +275,91 @@ class FedFDPCLI(LightningCLI):
             os.environ.setdefault("WANDB_SILENT", "true")
             configs = self.config.get("config") or []
             group = self.config.get("wandb_group") or (Path(str(configs[-1])).stem if configs else None)
+            run_id, name = _wandb_run_id(run_dir), run_dir.name
+            if mode in ("offline", "dryrun"):
+                segments = len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}*")))
+                if segments:
+                    run_id, name = f"{run_id}-r{segments}", f"{name} (resumed {segments})"
             loggers.append(WandbLogger(project=self.config["wandb_project"], save_dir=str(run_dir), group=group,
-                                       name=run_dir.name, mode=mode, id=_wandb_run_id(run_dir), resume="allow"))
-            logger.info("W&B logging in %s mode", mode)
+                                       name=name, mode=mode, id=run_id, resume="allow"))
+            logger.info("W&B logging in %s mode (run id %s)", mode, run_id)
         return loggers
 
 
+class RunDirGuard(Callback):
+    """Holds the run directory's lock for the whole fit and releases it when fitting ends or fails.
+
+    The loggers are flushed first, so every file of the run is written while the directory is
+    locked. When a run fails after training started (divergence, interruption) it logs what the
+    run directory keeps: the checkpoints and ``summary.json`` of the rounds before, if any.
+
+    Args:
+        run_dir: the run directory.
+        lock: its lock (``None`` in processes that Lightning's DDP launcher started for ranks > 0).
+    """
+
+    def __init__(self, run_dir: Path, lock: RunLock | None) -> None:
+        self.run_dir = run_dir
+        self.lock = lock
+        self._training = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """From here on the run directory holds this run's files."""
+        self._training = True
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Say what the run directory keeps, then release it."""
+        if self._training and trainer.is_global_zero:
+            logger.warning("%s", kept_files(self.run_dir))
+        self._release(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Release the run directory at the end of fitting."""
+        self._release(trainer)
+
+    def _release(self, trainer: Trainer) -> None:
+        for lg in trainer.loggers:
+            lg.save()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def kept_files(run_dir: Path) -> str:
+    """One line on what a stopped run left in ``run_dir``: its checkpoints and ``summary.json``, if any."""
+    folder = run_dir / "checkpoints"
+    checkpoints = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
+    ckpt = f"checkpoints/{', '.join(checkpoints)}" if checkpoints else "no checkpoint"
+    try:
+        rounds = json.loads((run_dir / "summary.json").read_text()).get("rounds_run")
+        summary = f"summary.json (after round {rounds})"
+    except (OSError, ValueError):
+        summary = "no summary.json"
+    hint = " (no round was saved before it stopped)" if not checkpoints and summary.startswith("no") else ""
+    return f"run_dir {run_dir} keeps {ckpt} and {summary}{hint}"
+
+
 _RUN_DIR_ENV = "FEDFDP_RUN_DIR"
+LEDGER_NAME = "privacy_ledger.jsonl"
+#: LightningCLI keys that fedfdp does not use (accepted as null only, for older config.yaml files).
+_UNUSED_LIGHTNING_KEYS = ("optimizer", "lr_scheduler")
+
+#: Trainer options that a federated run overrides or never uses (rounds come from model.num_rounds,
+#: evaluation from model.eval_every, local steps from the algorithm): accepted, but not in --help.
+IGNORED_TRAINER_OPTIONS = (
+    "max_epochs", "min_epochs", "max_steps", "min_steps", "limit_train_batches", "limit_val_batches",
+    "limit_test_batches", "limit_predict_batches", "overfit_batches", "val_check_interval", "check_val_every_n_epoch",
+    "num_sanity_val_steps", "enable_model_summary", "accumulate_grad_batches",
+    "gradient_clip_val", "gradient_clip_algorithm", "inference_mode", "use_distributed_sampler", "barebones",
+    "sync_batchnorm", "reload_dataloaders_every_n_epochs", "enable_autolog_hparams", "model_registry",
+)
+
+
+def _hide_from_help(parser: LightningArgumentParser, keys: list[str]) -> None:
+    """Leave the options ``keys`` out of ``--help`` (they are still parsed and shown by --print_config)."""
+    wanted = set(keys)
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public API for this
+        if action.dest in wanted or action.dest.split(".help")[0] in wanted:
+            action.help = argparse.SUPPRESS
 
 
 def _is_launched_process() -> bool:
@@ -156,14 +378,22 @@ def _wandb_run_id(run_dir: Path) -> str:
 
 
 def build_cli(args: list[str] | None = None) -> FedFDPCLI:
-    """Parse ``args`` (default ``sys.argv``) and instantiate the federation, data and trainer."""
+    """Parse ``args`` (default ``sys.argv``) and instantiate the federation, data and trainer.
+
+    ``--run_dir DIR --ckpt_path X`` without ``--config`` resumes with the run's saved
+    ``DIR/config.yaml`` (:func:`fedfdp.rundir.with_saved_config`).
+    """
+    args = with_saved_config(sys.argv[1:] if args is None else args)
     return FedFDPCLI(
         Federation, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
         seed_everything_default=0, save_config_callback=ConfigToLoggers,
         save_config_kwargs={"overwrite": True, "config_filename": "config.yaml"},
         trainer_defaults={"max_epochs": -1, "log_every_n_steps": 1, "num_sanity_val_steps": 0,
                           "limit_val_batches": 0, "enable_model_summary": False},
-        parser_kwargs={"exit_on_error": False, "default_env": False},
+        parser_kwargs={"exit_on_error": False, "default_env": False, "allow_abbrev": False, "prog": "python -m fedfdp.fit",
+                       "description": "Train one federated run (fedfdp): python -m fedfdp.fit --config "
+                                      "configs/fmnist.yaml [--dotted.key value ...]"},
+        auto_configure_optimizers=False,  # the federation builds its own optimizers; no --optimizer
     )
 
 
@@ -184,6 +414,20 @@ def _configure_logging() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers")
     # The round index is global_step, restored from the checkpoint; the rounds loader has no state.
     warnings.filterwarnings("ignore", message=".*your dataloader is not resumable")
+    # A resume reuses its own checkpoints/ folder, checked and locked first (fedfdp.rundir): expected.
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+    # An advertisement Lightning prints on every run.
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropAdvert) for f in lightning_log.filters):
+        lightning_log.addFilter(_DropAdvert())
+
+
+class _DropAdvert(logging.Filter):
+    """Drops Lightning's "Tip: ... try installing litlogger" line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record but the advertisement."""
+        return "litlogger" not in str(record.msg)
 
 
 def _fedfdp_cause(err: BaseException) -> FedFDPError | None:
@@ -199,33 +443,73 @@ def _fedfdp_cause(err: BaseException) -> FedFDPError | None:
 
 
 def _one_line(message: str) -> str:
-    """jsonargparse's multi-line messages as one line; class-path errors list the shipped classes."""
-    line = " ".join(part.strip(" -") for part in message.strip().splitlines() if part.strip(" -"))
-    if "class_path" in line and "model.algorithm" in line:
-        import fedfdp.algorithms
+    """``message`` (possibly jsonargparse's indented multi-line text) as one line."""
+    return " ".join(part.strip(" -") for part in str(message).strip().splitlines() if part.strip(" -"))
 
-        line += f" (shipped: {', '.join('fedfdp.algorithms.' + n for n in fedfdp.algorithms.__all__)})"
-    return line
+
+def _lightning_config_error(err: BaseException) -> str | None:
+    """Lightning's rejection of a trainer setting or of ``ckpt_path`` as one line (``None`` otherwise).
+
+    Lightning validates ``trainer.accelerator``/``devices``/``strategy``/... while building the
+    Trainer (``MisconfigurationException``, or a ``TypeError``/``ValueError`` from its accelerator
+    connector) and looks for ``ckpt_path`` only when fitting starts.
+    """
+    import traceback
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    message = _one_line(str(err))
+    if isinstance(err, MisconfigurationException):
+        return f"trainer: {message}"
+    if isinstance(err, FileNotFoundError) and message.startswith("Checkpoint file not found"):
+        return f"ckpt_path: {message} (give a .ckpt file, or 'last' with the --run_dir of the run to resume)"
+    if isinstance(err, (TypeError, ValueError)):
+        frames = traceback.extract_tb(err.__traceback__)
+        if any("trainer/connectors/accelerator_connector.py" in f.filename.replace(os.sep, "/") for f in frames):
+            return f"trainer: {message}"
+    return None
+
+
+def _finish_wandb(cli: FedFDPCLI | None, failed: bool) -> None:
+    """Close the W&B run this process opened, so a later run in the same process gets its own."""
+    trainer = getattr(cli, "trainer", None)
+    for lg in getattr(trainer, "loggers", None) or []:
+        if type(lg).__name__ == "WandbLogger" and getattr(lg, "_experiment", None) is not None:
+            lg.experiment.finish(exit_code=1 if failed else 0)
 
 
 def main(args: list[str] | None = None) -> int:
-    """Entry point; returns the process exit status."""
+    """Entry point; returns the process exit status (2 with one ``error:`` line for a user error)."""
     _configure_logging()
+    argv = list(sys.argv[1:] if args is None else args)
+    problem = next((p for p in map(config_file_problem, config_paths(argv)) if p), None)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    cli: FedFDPCLI | None = None
+    failed = True
     try:
         cli = build_cli(args)
         ckpt = cli.config.get("ckpt_path")
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
+        failed = False
     except Exception as err:
         # jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data)
         # in its own ValueError: report the FedFDPError inside, or the parse error, as one line.
         cause = _fedfdp_cause(err)
         if cause is not None:
-            print(f"error: {cause}", file=sys.stderr)
+            print(f"error: {_one_line(str(cause))}", file=sys.stderr)
             return 2
         if type(err).__name__ == "ArgumentError":
-            print(f"error: {_one_line(str(err))}", file=sys.stderr)
+            print(f"error: {explain_parse_error(str(err))}", file=sys.stderr)
+            return 2
+        line = _lightning_config_error(err)
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
             return 2
         raise
+    finally:
+        _finish_wandb(cli, failed)
     return 0
 
 

@@ -5,13 +5,14 @@ Usage::
     python -m fedfdp.report RUN_DIR                      # writes RUN_DIR/report.md and RUN_DIR/plots/*.png
     python -m fedfdp.report RUN_A RUN_B ... --out DIR    # comparison: one plot per metric, one line per run
 
-A run directory holds ``metrics.csv`` (one row per round, written by Lightning's CSVLogger) and
-``summary.json`` (written by :class:`callbacks.RunSummary`). Every run writes its report at the end.
+A run directory holds ``metrics.csv`` (one row per round, written by Lightning's CSVLogger; a
+resumed run keeps one file for all its sessions, see :mod:`fedfdp.runlog`) and ``summary.json``
+(written by :class:`callbacks.RunSummary`). Every run writes its report at the end, over all its
+rounds.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -19,6 +20,8 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from fedfdp.cli_errors import OneLineErrorParser
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,13 @@ def _plt() -> Any:
     return plt
 
 
+def _integer_rounds(ax: Any) -> None:
+    """Round axes show whole rounds only (no 1.5 between rounds 1 and 2)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[int, float]]], log: bool,
                hline: tuple[float, str] | None = None) -> None:
     plt = _plt()
@@ -88,6 +98,7 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[
         ax.axhline(hline[0], color="#c0392b", ls="--", lw=1, label=hline[1])
         ax.legend(fontsize=7)
     ax.set(title=title, xlabel="round", ylabel=ylabel)
+    _integer_rounds(ax)
     if len(lines) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -129,6 +140,7 @@ def _factor_plot(path: Path, metrics: dict[str, list[tuple[int, float]]]) -> boo
                  label="fraction negative")
         ax2.set_ylabel("fraction of negative coefficients", color="#c0392b")
     ax.set(title="Distribution of per-sample clip factors s_j over rounds", xlabel="round", ylabel="s_j")
+    _integer_rounds(ax)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
@@ -136,13 +148,23 @@ def _factor_plot(path: Path, metrics: dict[str, list[tuple[int, float]]]) -> boo
     return True
 
 
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """The run's ``summary.json``; FileNotFoundError (one line) when the folder or the file is missing."""
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} does not exist or is not a directory (expected a fedfdp run directory)")
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no summary.json (not a fedfdp run directory, or no evaluation yet)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); the run may still be writing it") from err
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and ``plots/*.png`` for one run directory; returns the report path."""
     run_dir = Path(run_dir)
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        raise FileNotFoundError(f"{run_dir} has no summary.json (not a fedfdp run directory, or no evaluation yet)")
-    summary = json.loads(summary_path.read_text())
+    summary = _summary(run_dir)
     metrics = read_series(run_dir, summary)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
@@ -174,6 +196,9 @@ def write_report(run_dir: str | Path) -> Path:
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
     lines.append(f"| seconds per round / peak memory | {_fmt(summary.get('seconds_per_round'))} s / "
                  f"{summary['peak_memory_mb']:.0f} MB |")
+    if summary.get("wall_seconds") is not None:  # summaries written before wall time was recorded lack it
+        lines.append(f"| wall time of the run (every session) / seed | {_fmt(summary['wall_seconds'])} s / "
+                     f"{_fmt(summary.get('seed'))} |")
     lines.append("")
     for title, rel in images:
         lines += [f"## {title}", "", f"![{title}]({rel})", ""]
@@ -184,8 +209,8 @@ def write_report(run_dir: str | Path) -> Path:
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     """One plot per metric with one line per run, plus a markdown table of final values."""
+    summaries = {d: _summary(d) for d in run_dirs}
     out.mkdir(parents=True, exist_ok=True)
-    summaries = {d: json.loads((d / "summary.json").read_text()) for d in run_dirs}
     runs = {_label(d, run_dirs): (read_series(d, summaries[d]), summaries[d]) for d in run_dirs}
     lines = ["# Run comparison", "", "| run | algorithm | rounds | accuracy | Ψ paper | worst client | ε |",
              "|---|---|---|---|---|---|---|"]
@@ -217,7 +242,7 @@ def _fmt(value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m fedfdp.report``."""
-    parser = argparse.ArgumentParser(prog="python -m fedfdp.report", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="python -m fedfdp.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (each with summary.json)")
     parser.add_argument("--out", type=Path, default=None, help="output folder of a comparison of several runs")
     args = parser.parse_args(argv)
@@ -226,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(args.run_dirs[0]))
         else:
             print(write_comparison(args.run_dirs, args.out or Path("comparison")))
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyError as err:
+        print(f"error: a summary.json lacks the key {err} (written by an older fedfdp?)", file=sys.stderr)
         return 2
     return 0
 

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
+from callbacks import FederationCallback
 from datamodules import SyntheticDataModule
 from fedfdp import ClientModule, Federation
 
@@ -56,3 +57,29 @@ def run_federation(algorithm: Any, callbacks: list[Any], *, rounds: int | None =
 def flat(model: nn.Module) -> torch.Tensor:
     """All parameters of ``model`` as one vector."""
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class ReleaseTrace(FederationCallback):
+    """Test-only witness of what the server received: one fsynced JSON line per upload.
+
+    Written when the server first reads the uploads (``on_before_aggregate``), independently of
+    the privacy ledger, so a test can check that the reported ε covers every release the server saw.
+
+    Args:
+        path: the trace file (appended across processes).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_before_aggregate(self, trainer: Trainer, federation: Federation, updates: list) -> None:
+        """Append ``{"round", "client", "events": [[σ, q, steps], ...]}`` per upload and fsync."""
+        import json
+        import os
+
+        with open(self.path, "a") as f:
+            for u in updates:
+                events = [[e.noise_multiplier, e.sample_rate, e.steps] for _, e in u.dp_events]
+                f.write(json.dumps({"round": federation.current_round, "client": u.client_id, "events": events}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

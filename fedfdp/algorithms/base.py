@@ -13,6 +13,7 @@ from torch import Tensor
 
 from fedfdp.aggregate import weighted_mean
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from callbacks.base import FederationCallback
     from fedfdp.client import ClientModule
     from fedfdp.federation import Federation
+    from fedfdp.stacked import StackedStepSpec
 
 
 class Algorithm:
@@ -75,8 +77,26 @@ class Algorithm:
         """Train ``client`` (holding ``w_t``) on ``data``; return the upload."""
         raise NotImplementedError
 
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """This round's local update as one private step per client from ``w_t``, if it is one.
+
+        Returning a :class:`~fedfdp.stacked.StackedStepSpec` lets the federation run the round's
+        private steps as one pass over the union of the clients' batches (:mod:`fedfdp.stacked`);
+        it must then do exactly what :meth:`local_update` does. None (the default) keeps the
+        per-client path.
+        """
+        return None
+
     def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
         """The DP events of one round of local training (empty for non-private algorithms)."""
+        return []
+
+    def dp_releases(self) -> list[DPRelease]:
+        """Every kind of private release the algorithm makes, with its σ and clip bound.
+
+        :class:`callbacks.RDPAccounting` refuses the run at start if any has σ = 0 or an
+        unbounded clip. Empty for non-private algorithms.
+        """
         return []
 
     # ---- state --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ Subclasses in this module: :class:`OracleCDPFL` (true clusters known) and :class
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -41,6 +42,7 @@ from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.clipping import FlatClip
 from fedfdp.privacy.release import add_gaussian_noise
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
 
@@ -82,7 +84,7 @@ class ClusteredDPFL(Algorithm):
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
         require(batch_size >= 1, f"algorithm.batch_size must be >= 1, got {batch_size}")
         require(local_epochs >= 1, f"algorithm.local_epochs must be >= 1, got {local_epochs}")
-        require(max_grad_norm > 0, f"algorithm.max_grad_norm must be > 0, got {max_grad_norm}")
+        require(0 < max_grad_norm < math.inf, f"algorithm.max_grad_norm must be finite and > 0, got {max_grad_norm}")
         require(noise_multiplier is None or noise_multiplier > 0,
                 f"algorithm.noise_multiplier must be > 0 or null, got {noise_multiplier}")
         require(target_epsilon is None or target_epsilon > 0,
@@ -152,6 +154,21 @@ class ClusteredDPFL(Algorithm):
         initial = parameters_to_vector(federation.global_model.parameters()).detach()
         self.cluster_models = self.initial_models(initial, federation)
         self.assignment = self.initial_assignment(federation)
+
+    def dp_releases(self) -> list[DPRelease]:
+        """The local DP-SGD model update (z_i after calibration) and, with ``selection: loss``, the
+        seed's unnoised cluster selection (an argmin of training losses: no guarantee)."""
+        sigma = float(self.noise_multipliers.min()) if len(self.noise_multipliers) else self.noise_multiplier
+        releases = [DPRelease(name="model update", noise_field="algorithm.noise_multiplier",
+                              noise_multiplier=sigma if sigma is not None else 0.0,
+                              bound_field="algorithm.max_grad_norm", clip_bound=self.max_grad_norm)]
+        if self.selection == "loss":
+            releases.append(DPRelease(
+                name="cluster selection (argmin of training losses)", noise_field="algorithm.selection=loss: noise",
+                noise_multiplier=0.0, bound_field="algorithm.selection", clip_bound=math.inf,
+                fix="use algorithm.selection: private, or set RDPAccounting.allow_non_private: true to run the "
+                    "seed's unaccounted selection for analysis"))
+        return releases
 
     def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
         """``M × p`` initial cluster models: all equal to ``θ^init`` by default."""

@@ -8,8 +8,6 @@ client's ledger by :class:`callbacks.RDPAccounting`.
 
 from __future__ import annotations
 
-import torch
-
 from callbacks.accounting import RDPAccounting
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
@@ -17,8 +15,10 @@ from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
+from fedfdp.stacked import StackedStepSpec
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
 
 
 class DPFedAvg(Algorithm):
@@ -44,7 +44,7 @@ class DPFedAvg(Algorithm):
                  normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
         require(0 < sample_rate <= 1, f"algorithm.sample_rate must be in (0, 1], got {sample_rate}")
-        require(max_grad_norm > 0, f"algorithm.max_grad_norm must be > 0, got {max_grad_norm}")
+        require(0 < max_grad_norm < float("inf"), f"algorithm.max_grad_norm must be finite and > 0, got {max_grad_norm}")
         require(noise_multiplier >= 0, f"algorithm.noise_multiplier must be >= 0, got {noise_multiplier}")
         require(local_steps >= 1, f"algorithm.local_steps must be >= 1, got {local_steps}")
         require(normalize_by in ("expected", "realized", "constant"),
@@ -69,21 +69,39 @@ class DPFedAvg(Algorithm):
         return [(MODEL_RELEASE, DPEvent(noise_multiplier=self.noise_multiplier,
                                         sample_rate=self.sample_rate, steps=self.local_steps))]
 
+    def dp_releases(self) -> list[DPRelease]:
+        """The model update: per-sample clip ``C`` (``max_grad_norm``), noise ``σC``."""
+        return [DPRelease(name="model update", noise_field="algorithm.noise_multiplier",
+                          noise_multiplier=self.noise_multiplier, bound_field="algorithm.max_grad_norm",
+                          clip_bound=self.max_grad_norm)]
+
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
         """``local_steps`` private steps, each on a fresh Poisson batch."""
         rule = self.clip_rule(context)
+        outputs = [client.training_step(self.private_batch(data, rule, generator)) for _ in range(self.local_steps)]
+        return self.client_update(client, data, outputs)
+
+    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
+        """One private step's input: a Poisson batch of rate q drawn from ``generator`` (its next draw).
+
+        The step's noise ``N(0, (σC)² I)`` is drawn later from the same ``generator``; the divisor
+        is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
+        """
+        mask = poisson_mask(data.size, self.sample_rate, generator)
+        x, y = data.x[mask], data.y[mask]
+        denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
+                                        dataset_size=data.size, realized=int(y.shape[0]),
+                                        constant=self.normalize_constant)
+        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_std=self.noise_multiplier * self.max_grad_norm,
+                          denominator=denominator, generator=generator)
+
+    def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
+        """The upload after the local steps: the local model in ``client``, ``|D_i|``, the DP events and
+        the steps' mean diagnostics."""
         stats = dict.fromkeys(["batch_size", "negative_fraction", "clipped_fraction", "train_loss",
                                "factor_p05", "factor_p50", "factor_p95"], 0.0)
-        for _ in range(self.local_steps):
-            mask = poisson_mask(data.size, self.sample_rate, generator)
-            x, y = data.x[mask], data.y[mask]
-            denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
-                                            dataset_size=data.size, realized=int(y.shape[0]),
-                                            constant=self.normalize_constant)
-            out = client.training_step(LocalBatch(
-                x=x, y=y, lr=self.lr, clip_rule=rule, noise_std=self.noise_multiplier * self.max_grad_norm,
-                denominator=denominator, generator=generator))
+        for out in outputs:
             stats["batch_size"] += out.batch_size / self.local_steps
             stats["negative_fraction"] += out.negative_fraction / self.local_steps
             stats["clipped_fraction"] += out.clipped_fraction / self.local_steps
@@ -92,3 +110,12 @@ class DPFedAvg(Algorithm):
                 stats[key] += value / self.local_steps
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
                             dp_events=self.planned_dp_events(data.client_id, data.size), diagnostics=stats)
+
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """One private step per client from ``w_t``: stackable unless ``local_steps > 1`` or a subclass
+        (or mixin) replaces :meth:`local_update` (its own local update must then run)."""
+        if self.local_steps != 1 or type(self).local_update is not DPFedAvg.local_update:
+            return None
+        return StackedStepSpec(
+            batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator),
+            update=lambda client, data, output: self.client_update(client, data, [output]))

@@ -10,6 +10,8 @@ RDP ledger (Theorem 2). With λ = 0 it is exactly DP-FedAvg.
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from typing import Any
 
 from callbacks.accounting import RDPAccounting
@@ -19,6 +21,7 @@ from fedfdp.algorithms.fedfair import BroadcastLoss, InitialLoss
 from fedfdp.errors import require
 from fedfdp.privacy.clipping import FAIR_CLIP_MODES, ClipRule, FairClip, FairClipMode
 from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import RoundContext
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,16 @@ class FedFDP(BroadcastLoss, DPFedAvg):
     def dp_valid(self) -> bool:
         """False only for the literal ``paper_raw`` rule, whose contributions are unbounded."""
         return self.fair_clip_mode != "paper_raw"
+
+    def dp_releases(self) -> list[DPRelease]:
+        """The model update; ``paper_raw`` leaves negative fair-clip factors unbounded (C = ∞)."""
+        releases = super().dp_releases()
+        if self.fair_clip_mode == "paper_raw":
+            releases = [replace(r, clip_bound=math.inf,
+                                bound_field="algorithm.fair_clip_mode=paper_raw, whose negative factors are unbounded; C",
+                                fix="use fair_clip_mode symmetric, code or nonneg")
+                        for r in releases]
+        return releases
 
     def setup(self, federation: Any) -> None:
         """Resolve ``F̄_0``."""

@@ -30,6 +30,7 @@ from fedfdp.finp_math import (LipschitzEstimator, ala_weights, curvature_stats, 
                               pca_distances, pca_weights)
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import NormalizeBy, add_gaussian_noise
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.privacy_metrics import cov
 from fedfdp.seeding import poisson_mask, torch_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
@@ -218,7 +219,7 @@ class DPFinP(_FinPMixin, DPFedAvg):
         DPFedAvg.__init__(self, lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
                           noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
                           normalize_constant=normalize_constant)
-        require(curvature_bound > 0, f"algorithm.curvature_bound must be > 0, got {curvature_bound}")
+        require(0 < curvature_bound < math.inf, f"algorithm.curvature_bound must be finite and > 0, got {curvature_bound}")
         require(curvature_noise_multiplier > 0,
                 f"algorithm.curvature_noise_multiplier must be > 0, got {curvature_noise_multiplier}")
         self.curvature_bound, self.curvature_noise_multiplier = curvature_bound, curvature_noise_multiplier
@@ -226,3 +227,12 @@ class DPFinP(_FinPMixin, DPFedAvg):
         self._init_finp(beta=beta, client_reg=client_reg, server_agg=server_agg, estimator=estimator, scaling=scaling,
                         rho_init=rho_init, curvature_samples=curvature_samples, curvature_iters=curvature_iters,
                         curvature_tol=curvature_tol, pca_q=pca_q, pca_gamma=pca_gamma)
+
+    def dp_releases(self) -> list[DPRelease]:
+        """The model update and, when ρ is used, the curvature statistics (clip C_h, noise σ_h √2 C_h)."""
+        releases = super().dp_releases()
+        if self.needs_curvature:
+            releases.append(DPRelease(name="curvature upload", noise_field="algorithm.curvature_noise_multiplier",
+                                      noise_multiplier=self.curvature_noise_multiplier,
+                                      bound_field="algorithm.curvature_bound", clip_bound=self.curvature_bound))
+        return releases

@@ -9,11 +9,13 @@ import pkgutil
 import sys
 
 import fedfdp.experiments as package
+from fedfdp.experiments._common import OneLineErrorParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """A parser with one sub-command per harness registered by the package's modules."""
-    parser = argparse.ArgumentParser(prog="python -m fedfdp.experiments", description=package.__doc__)
+    parser = OneLineErrorParser(prog="python -m fedfdp.experiments", description=package.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):

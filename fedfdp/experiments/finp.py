@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
 from fedfdp.privacy_metrics import convergence_round
 
 
@@ -71,21 +72,22 @@ def register(subparsers: Any) -> None:
     """Add the ``finp-table`` command."""
     p = subparsers.add_parser("finp-table", help="FedAvg vs FinP-PCA vs FinP-ALA, β ablation, DP rows (SIA audit)")
     p.add_argument("--dataset", default="fmnist", choices=sorted(DATASETS), help="which FinP config the rows use")
-    p.add_argument("--rows", default="main,beta,dp", help="groups (main, beta, dp) and/or row names, comma-separated")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    add_list_option(p, "--rows", default=["main", "beta", "dp"], help="groups (main, beta, dp) and/or row names")
+    add_list_option(p, "--seeds", item_type=int, default=[0], help="seeds")
     p.add_argument("--rounds", type=int, default=None, help="override model.num_rounds (default: the config's 20)")
     p.add_argument("--out", default="runs/finp_table", help="root of the run directories")
     p.add_argument("--markdown", default=None, help="write the table here (default: <out>/table.md)")
-    p.add_argument("--dry_run", action="store_true", help="print the commands only")
+    add_dry_run(p)
     p.set_defaults(func=run)
 
 
-def selected_rows(spec: str) -> list[str]:
-    """Row names from groups and/or names."""
-    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+def selected_rows(spec: str | list[str]) -> list[str]:
+    """Row names from groups and/or names (a list, or one comma-separated string)."""
+    items = spec.split(",") if isinstance(spec, str) else spec
+    wanted = [s.strip() for s in items if s.strip()]
     unknown = [w for w in wanted if w not in ROWS and w not in {g for g, *_ in ROWS.values()}]
     if unknown:
-        raise SystemExit(f"error: --rows got unknown {unknown}; accepted: main, beta, dp or {sorted(ROWS)}")
+        raise ValueError(f"--rows got unknown {unknown}; accepted: main, beta, dp or {sorted(ROWS)}")
     return [name for name, (group, *_) in ROWS.items() if name in wanted or group in wanted]
 
 
@@ -139,8 +141,12 @@ def _fmt(value: float | None, key: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the missing rows, then write the markdown table and a CSV."""
     out = Path(args.out)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    rows = selected_rows(args.rows)
+    seeds = list(args.seeds)
+    try:
+        rows = selected_rows(args.rows)
+    except ValueError as err:
+        print(f"error: finp-table: {err}", file=sys.stderr)
+        return 2
     if not DATASETS[args.dataset][2]:
         rows = [r for r in rows if ROWS[r][0] != "dp"]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             cmd = command(name, seed, run_dir, args.rounds, args.dataset)
             if args.dry_run:  # the dry run's output is the list of commands
-                print(" ".join(cmd))
+                print_command(cmd)
                 continue
             logger.info("%s", " ".join(cmd))
             start = time.perf_counter()

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,16 @@ def plan_runs(table: str, datasets: Sequence[str], seeds: Sequence[int], out: Pa
     return runs
 
 
+def fit_command(run: Run, extra: Sequence[str]) -> list[str]:
+    """The ``fedfdp.fit`` command of one run; its config is ``<run_dir>/input_config.yaml`` (see :func:`execute`)."""
+    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(run.run_dir / "input_config.yaml"),
+           "--run_dir", str(run.run_dir), "--seed_everything", str(run.seed), "--trainer.enable_progress_bar", "false",
+           "--wandb", "disabled", *extra]
+    if (run.run_dir / "checkpoints" / "last.ckpt").exists():
+        cmd += ["--ckpt_path", "last"]
+    return cmd
+
+
 def execute(run: Run, rounds: int | None, niceness: int, extra: Sequence[str]) -> tuple[Run, int, float]:
     """Run (or resume) one fit in a subprocess; returns its exit status and wall time."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,12 +174,9 @@ def execute(run: Run, rounds: int | None, niceness: int, extra: Sequence[str]) -
         overrides["model.num_rounds"] = rounds
     derived = run.run_dir / "input_config.yaml"
     derived.write_text(yaml.safe_dump(apply_overrides(config, overrides), sort_keys=False))
-    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(derived), "--run_dir", str(run.run_dir),
-           "--seed_everything", str(run.seed), "--trainer.enable_progress_bar", "false", "--wandb", "disabled",
-           *extra]
-    if (run.run_dir / "checkpoints" / "last.ckpt").exists():
-        cmd += ["--ckpt_path", "last"]
-    elif (run.run_dir / "summary.json").exists():  # partial results without a checkpoint: start again
+    cmd = fit_command(run, extra)
+    if "--ckpt_path" not in cmd and (run.run_dir / "summary.json").exists():
+        # partial results without a checkpoint: start again
         (run.run_dir / "summary.json").rename(run.run_dir / f"summary.stale-{int(time.time())}.json")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
@@ -270,7 +278,7 @@ def _plot(path: Path, title: str, methods: Sequence[str], columns: Sequence[str]
             ax.bar(range(len(methods)), [s[0] for s in stats], yerr=[s[1] for s in stats], color="tab:blue")
             ax.set_xticks(range(len(methods)), methods, rotation=60, fontsize=7)
             ax.set_ylabel(label)
-            if key == "psi":
+            if key == "psi" and any(np.isfinite(m) and m > 0 for m, _ in stats):  # log scale needs a value > 0
                 ax.set_yscale("log")
             else:
                 ax.set_title(col, fontsize=9)
@@ -288,6 +296,14 @@ def run_table(args: argparse.Namespace) -> int:
     runs = plan_runs(args.table, datasets, args.seeds, out, Path(args.config_dir), args.methods)
     todo = [r for r in runs if not r.done]
     logger.info("%s: %d runs, %d finished, %d to run", args.table, len(runs), len(runs) - len(todo), len(todo))
+    missing = sorted({str(r.config) for r in todo if not r.config.exists()})
+    if missing and not args.aggregate_only:
+        print(f"error: paper-{args.table}: no config {', '.join(missing)} (see --config-dir)", file=sys.stderr)
+        return 2
+    if args.dry_run:  # the commands only: nothing is run or written
+        for run in todo:
+            print_command(fit_command(run, args.fit_args or []))
+        return 0
     failed = 0
     if not args.aggregate_only and todo:
         with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
@@ -300,6 +316,10 @@ def run_table(args: argparse.Namespace) -> int:
                 else:
                     logger.error("FAILED %s (%.0f s): see %s", run.run_dir, wall, run.run_dir / "fit.log")
     rows = collect(runs)
+    if not rows:
+        print(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "
+              f"there is nothing to aggregate; run without --aggregate-only first", file=sys.stderr)
+        return 2
     columns = list(dict.fromkeys(r.column.label for r in runs))
     methods = [label for label, _ in spec.methods if any(r.method == label for r in runs)]
     title = spec.title + (f" — shortened: {args.rounds} rounds max" if args.rounds else "")
@@ -313,15 +333,16 @@ def register(subparsers: Any) -> None:
     for name, spec in TABLES.items():
         p = subparsers.add_parser(f"paper-{name.replace('table', 'table')}", help=spec.title)
         p.set_defaults(func=run_table, table=name)
-        p.add_argument("--dataset", nargs="+", choices=sorted(DATASETS), default=None,
-                       help=f"datasets (default: {' '.join(spec.default_datasets)})")
-        p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-        p.add_argument("--methods", nargs="+", default=None, help="only these methods (labels or config stems)")
+        add_list_option(p, "--dataset", choices=sorted(DATASETS), default=None,
+                        help=f"datasets (none given: {' '.join(spec.default_datasets)})")
+        add_list_option(p, "--seeds", item_type=int, default=[0, 1, 2, 3, 4], help="seeds")
+        add_list_option(p, "--methods", default=None, help="only these methods (labels or config stems; none: all)")
         p.add_argument("--rounds", type=int, default=None, help="cap every run at this many rounds (shortened variant)")
         p.add_argument("--jobs", type=int, default=1, help="parallel fit processes")
         p.add_argument("--nice", type=int, default=0, help="niceness of the fit processes")
         p.add_argument("--out", default="runs/paper", help="output folder")
         p.add_argument("--config-dir", default="configs", help="folder of the per-dataset configs")
         p.add_argument("--aggregate-only", action="store_true", help="only aggregate the finished runs")
+        add_dry_run(p)
         p.add_argument("--fit-args", nargs=argparse.REMAINDER, default=None,
                        help="extra arguments passed to every fedfdp.fit call (last option)")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
@@ -43,14 +44,16 @@ def register(subparsers: Any) -> None:
     """Add the ``rcdpfl-table`` command."""
     p = subparsers.add_parser("rcdpfl-table", help="RC-DPFL vs DPFedAvg / IFCA / KM-CDPFL / oracle / local")
     p.add_argument("--dataset", default="digits", help="config prefix under configs/rcdpfl: digits, mnist, fmnist")
-    p.add_argument("--methods", default="dpfedavg,ifca,kmcdpfl,rcdpfl,oracle", help="comma-separated: " + ",".join(LABELS))
-    p.add_argument("--epsilons", default="5", help="comma-separated target ε")
-    p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    add_list_option(p, "--methods", default=["dpfedavg", "ifca", "kmcdpfl", "rcdpfl", "oracle"],
+                    help="methods, of " + " ".join(LABELS))
+    add_list_option(p, "--epsilons", item_type=float, default=[5.0], help="target ε values")
+    add_list_option(p, "--seeds", item_type=int, default=[0, 1], help="seeds")
     p.add_argument("--rounds", type=int, default=None, help="override model.num_rounds (default: the config's)")
     p.add_argument("--out", default=None, help="output folder (default runs/rcdpfl-table/<dataset>)")
     p.add_argument("--nice", type=int, default=15, help="niceness of the runs (0: none)")
     p.add_argument("--override", action="append", default=[], help="extra fit argument (repeatable, e.g. "
                    "--override=--data.init_args.train_per_client=100)")
+    add_dry_run(p)
     p.set_defaults(func=run)
 
 
@@ -89,16 +92,20 @@ def _finished(run_dir: Path) -> bool | None:
     return summary["rounds_run"] >= summary["rounds_planned"]
 
 
+def fit_command(run_dir: Path, cfg_path: Path, args: argparse.Namespace) -> list[str]:
+    """The ``fedfdp.fit`` command of one run (resuming it when it was interrupted)."""
+    return (["nice", "-n", str(args.nice)] if args.nice else []) + [
+        sys.executable, "-m", "fedfdp.fit", "--config", str(cfg_path), "--run_dir", str(run_dir), "--wandb", "disabled",
+        *(["--ckpt_path", "last"] if _finished(run_dir) is False else []), *args.override]
+
+
 def run_one(config: dict[str, Any], run_dir: Path, cfg_path: Path, args: argparse.Namespace) -> float:
     """Run (or resume) one fit subprocess; returns its wall time (0 when skipped)."""
-    state = _finished(run_dir)
-    if state:
+    if _finished(run_dir):
         return 0.0
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cmd = (["nice", "-n", str(args.nice)] if args.nice else []) + [
-        sys.executable, "-m", "fedfdp.fit", "--config", str(cfg_path), "--run_dir", str(run_dir), "--wandb", "disabled",
-        *(["--ckpt_path", "last"] if state is False else []), *args.override]
+    cmd = fit_command(run_dir, cfg_path, args)
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled"}
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: one thread is much faster (spec §9)
     start = time.perf_counter()
@@ -148,17 +155,22 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run every (ε, method, seed) and write the table."""
     out = Path(args.out or f"runs/rcdpfl-table/{args.dataset}")
-    methods = [m for m in args.methods.split(",") if m]
+    methods = list(args.methods)
     rows: list[dict[str, Any]] = []
     failed = 0
-    for eps in (float(e) for e in args.epsilons.split(",")):
+    for eps in args.epsilons:
         for method in methods:
             base = Path("configs/rcdpfl") / f"{args.dataset}_{method}.yaml"
             if not base.exists():
-                print(f"error: no config {base}", file=sys.stderr)
+                print(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
+                      f"methods: {' '.join(LABELS)})", file=sys.stderr)
                 return 2
-            for seed in (int(s) for s in args.seeds.split(",")):
+            for seed in args.seeds:
                 name = f"{args.dataset}_{method}_eps{eps:g}_s{seed}"
+                if args.dry_run:
+                    if not _finished(out / "runs" / name):
+                        print_command(fit_command(out / "runs" / name, out / "configs" / f"{name}.yaml", args))
+                    continue
                 config = make_config(base, seed=seed, epsilon=eps, rounds=args.rounds)
                 try:
                     wall = run_one(config, out / "runs" / name, out / "configs" / f"{name}.yaml", args)

@@ -32,7 +32,7 @@ available as :class:`VmapEngine` for models with layers the ghost engine does no
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from fedfdp.layout import run_channels_last
 from fedfdp.privacy.conv_grads import (
     ConvMethod,
     Workspace,
@@ -74,10 +75,34 @@ class PerSampleResult:
     losses: Tensor
     norms: Tensor
     _weighted_sum: Callable[[Tensor], list[Tensor]]
+    _segment_weighted_sums: Callable[[Tensor, Sequence[int]], list[list[Tensor]]] | None = None
 
     def weighted_sum(self, weights: Tensor) -> list[Tensor]:
         """Return ``Σ_j weights_j ∇_w ℓ_j`` as one tensor per trainable parameter."""
         return self._weighted_sum(weights)
+
+    def segment_weighted_sums(self, weights: Tensor, offsets: Sequence[int]) -> list[list[Tensor]]:
+        """``Σ_{j ∈ [o_k, o_{k+1})} weights_j ∇_w ℓ_j`` for every segment ``k`` of contiguous samples.
+
+        ``offsets = [o_0 = 0, o_1, ..., o_K = B]`` (non-decreasing; an empty segment gets zeros).
+        Returns one list of per-parameter tensors per segment, each a fresh tensor. The engines
+        restrict every layer's weighted sum to each slice, so all ``K`` sums together cost one
+        weighted sum over the batch (a loop over segments, never over samples).
+        """
+        bounds = list(offsets)
+        if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != int(self.losses.shape[0]) or any(
+                lo > hi for lo, hi in zip(bounds, bounds[1:])):
+            raise ValueError(f"offsets must run from 0 to the batch size {int(self.losses.shape[0])} without "
+                             f"decreasing, got {bounds}")
+        if self._segment_weighted_sums is not None:
+            return self._segment_weighted_sums(weights, bounds)
+        # generic fallback: one full weighted sum per segment with the other samples' weights zeroed
+        sums = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            masked = torch.zeros_like(weights)
+            masked[lo:hi] = weights[lo:hi]
+            sums.append(self._weighted_sum(masked))
+        return sums
 
 
 class GhostEngine:
@@ -89,13 +114,16 @@ class GhostEngine:
     """
 
     def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy,
-                 conv_method: ConvMethod = "auto") -> None:
+                 conv_method: ConvMethod = "auto", channels_last: bool = True) -> None:
         problem = ghost_unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"GhostEngine cannot handle this model: {problem}")
         self.net = net
         self.loss_fn = loss_fn
         self.conv_method = conv_method
+        # channels-last conv activations on CPU (fedfdp.layout): the forward, the output-only
+        # backward and the per-sample factors of a CNN's step run ~15 % faster
+        self.channels_last = channels_last
         # Per-layer buffers for materialised per-sample gradients, reused across steps: a fresh
         # multi-MB allocation per step is returned to the OS and page-faulted back every time,
         # which costs as much as computing the gradients. ``_generation`` invalidates old results.
@@ -125,17 +153,10 @@ class GhostEngine:
         """
         if x.shape[0] == 0:
             return _empty_result(self.net, x)
-        captured: list[tuple[nn.Module, Tensor, Tensor]] = []
-
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            captured.append((module, inputs[0].detach(), output))
-
-        handles = [layer.register_forward_hook(hook) for layer in self.layers]
-        try:
-            losses = self.loss_fn(self.net(x), y)
-        finally:
-            for handle in handles:
-                handle.remove()
+        if self.channels_last:
+            losses, captured = run_channels_last(self.net, lambda: self._forward(x, y), x.device)
+        else:
+            losses, captured = self._forward(x, y)
         if len(captured) != len(self.layers):
             raise RuntimeError("a layer ran more or less than once per forward pass (weight tying?)")
         outputs = [out for _, _, out in captured]
@@ -158,7 +179,39 @@ class GhostEngine:
                 grads.update(f.weighted(weights))
             return [grads[id(p)] for p in self.net.parameters() if p.requires_grad and id(p) in by_param]
 
-        return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum)
+        def segment_weighted_sums(weights: Tensor, offsets: Sequence[int]) -> list[list[Tensor]]:
+            if generation != self._generation:
+                raise RuntimeError("GhostEngine result used after a later compute(): its per-sample buffers "
+                                   "were reused; form the weighted sums before the next batch")
+            params = [p for p in self.net.parameters() if p.requires_grad and id(p) in by_param]
+            segments: list[list[Tensor]] = []
+            for lo, hi in zip(offsets, offsets[1:]):
+                if lo == hi:
+                    segments.append([torch.zeros_like(p) for p in params])
+                    continue
+                grads: dict[int, Tensor] = {}
+                for f in factors:
+                    grads.update(f.weighted(weights[lo:hi], slice(lo, hi)))
+                segments.append([grads[id(p)] for p in params])
+            return segments
+
+        return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum, segment_weighted_sums)
+
+
+    def _forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, list[tuple[nn.Module, Tensor, Tensor]]]:
+        """Per-sample losses, and every trainable layer's ``(module, input, output)`` of the pass."""
+        captured: list[tuple[nn.Module, Tensor, Tensor]] = []
+
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            captured.append((module, inputs[0].detach(), output))
+
+        handles = [layer.register_forward_hook(hook) for layer in self.layers]
+        try:
+            losses = self.loss_fn(self.net(x), y)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return losses, captured
 
 
 @dataclass
@@ -184,28 +237,30 @@ class _LayerFactors:
             ps.append(self.module.bias)
         return [p for p in ps if p.requires_grad]
 
-    def weighted(self, weights: Tensor) -> dict[int, Tensor]:
+    def weighted(self, weights: Tensor, rows: slice = slice(None)) -> dict[int, Tensor]:
+        """``Σ_j weights_j G_j`` (and the bias's) over the samples ``rows`` (``weights`` has their length)."""
         weight = self.module.weight
         w = weights.to(self.b.dtype)
+        b = self.b[rows]
         out: dict[int, Tensor] = {}
         if weight.requires_grad:
             if self.per_sample_weight is not None:
-                g = (w @ self.per_sample_weight.flatten(1)).reshape(weight.shape)
+                g = (w @ self.per_sample_weight[rows].flatten(1)).reshape(weight.shape)
             elif self.conv_input is not None:
                 conv = self.module
                 assert isinstance(conv, nn.Conv2d) and self.conv_backprop is not None
                 # Σ_j s_j G_j is the ordinary weight gradient of the output gradient scaled per sample:
                 # one (oneDNN / cuDNN) convolution-backward call, no per-sample buffers.
-                g = torch.nn.grad.conv2d_weight(self.conv_input, weight.shape,
-                                                self.conv_backprop * w[:, None, None, None],
+                g = torch.nn.grad.conv2d_weight(self.conv_input[rows], weight.shape,
+                                                self.conv_backprop[rows] * w[:, None, None, None],
                                                 conv.stride, conv.padding, conv.dilation, conv.groups)
             else:
                 assert self.a is not None
-                g = torch.einsum("bpo,bpi->oi", self.b * w[:, None, None], self.a).reshape(weight.shape)
+                g = torch.einsum("bpo,bpi->oi", b * w[:, None, None], self.a[rows]).reshape(weight.shape)
             out[id(weight)] = g
         bias = self.module.bias
         if bias is not None and bias.requires_grad:
-            out[id(bias)] = w @ self.b.sum(1)
+            out[id(bias)] = w @ b.sum(1)
         return out
 
 
@@ -306,7 +361,11 @@ class VmapEngine:
         def weighted_sum(weights: Tensor) -> list[Tensor]:
             return [torch.einsum("b,b...->...", weights.to(per_grads[n].dtype), per_grads[n]) for n in names]
 
-        return PerSampleResult(losses.detach(), sq.sqrt(), weighted_sum)
+        def segment_weighted_sums(weights: Tensor, offsets: Sequence[int]) -> list[list[Tensor]]:
+            return [[torch.einsum("b,b...->...", weights[lo:hi].to(per_grads[n].dtype), per_grads[n][lo:hi])
+                     for n in names] for lo, hi in zip(offsets, offsets[1:])]
+
+        return PerSampleResult(losses.detach(), sq.sqrt(), weighted_sum, segment_weighted_sums)
 
 
 PerSampleEngine = GhostEngine | VmapEngine
@@ -347,4 +406,7 @@ def _empty_result(net: nn.Module, x: Tensor) -> PerSampleResult:
     def weighted_sum(weights: Tensor) -> list[Tensor]:
         return [torch.zeros_like(p) for p in net.parameters() if p.requires_grad]
 
-    return PerSampleResult(empty, empty, weighted_sum)
+    def segment_weighted_sums(weights: Tensor, offsets: Sequence[int]) -> list[list[Tensor]]:
+        return [weighted_sum(weights) for _ in offsets[1:]]
+
+    return PerSampleResult(empty, empty, weighted_sum, segment_weighted_sums)

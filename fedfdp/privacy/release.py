@@ -51,8 +51,15 @@ def batch_denominator(mode: NormalizeBy, *, sample_rate: float, dataset_size: in
 
 
 def clipped_loss_sum(losses: Tensor, bound: float) -> Tensor:
-    """``Σ_j min(C_l, max(0, ℓ_j))``: each term in ``[0, C_l]`` so the sum has sensitivity ``C_l``."""
-    return losses.clamp(min=0.0, max=bound).sum()
+    """``Σ_j min(C_l, max(0, ℓ_j))``: each term in ``[0, C_l]`` so the sum has sensitivity ``C_l``.
+
+    Non-finite losses are clipped too, before the sum: NaN and +∞ count as ``C_l`` (the worst
+    loss), −∞ as 0. Every term stays in ``[0, C_l]`` whatever the record, so the sensitivity,
+    and the guarantee, are unchanged, and the release is finite. Treating the client as diverged
+    instead would itself be a release: whether one record makes a NaN loss would leak through
+    the abort, unnoised.
+    """
+    return torch.nan_to_num(losses, nan=bound, posinf=bound, neginf=0.0).clamp(min=0.0, max=bound).sum()
 
 
 def noisy_loss_release(losses: Tensor, *, bound: float, noise_multiplier: float, denominator: float,

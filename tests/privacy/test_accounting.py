@@ -230,3 +230,51 @@ def test_invalid_arguments_raise() -> None:
 
 def test_docstring_examples() -> None:
     assert doctest.testmod(accounting).failed == 0
+
+
+# ---- the PRV accountant (Opacus' PRVAccountant) -----------------------------------------------------
+@pytest.mark.parametrize("sigma", [0.8, 2.0, 5.0])
+@pytest.mark.parametrize("q", [0.01, 0.05, 0.2])
+@pytest.mark.parametrize("steps", [1, 50, 683])
+def test_prv_epsilon_is_at_most_rdp_epsilon_on_a_grid(sigma, q, steps):
+    from fedfdp.privacy.accounting import prv_epsilon
+
+    events = [DPEvent(noise_multiplier=sigma, sample_rate=q, steps=steps),
+              DPEvent(noise_multiplier=5.0, sample_rate=q, steps=steps)]
+    assert prv_epsilon(events, 1e-5) <= epsilon_of(events, 1e-5) + 1e-9
+
+
+def test_prv_ledger_matches_opacus_prv_accountant_stepped_alone():
+    from opacus.accountants import PRVAccountant
+
+    ledger, reference = PrivacyLedger(accountant_kind="prv"), PRVAccountant()
+    for _ in range(40):  # alternating model and loss releases: a heterogeneous history
+        for sigma in (2.0, 5.0):
+            ledger.record(DPEvent(noise_multiplier=sigma, sample_rate=0.05))
+            reference.step(noise_multiplier=sigma, sample_rate=0.05)
+    assert ledger.epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), abs=0.01)
+
+
+def test_prv_gives_fedfdp_more_rounds_at_the_paper_budget():
+    per_round = [DPEvent(noise_multiplier=2.0, sample_rate=0.05), DPEvent(noise_multiplier=5.0, sample_rate=0.05)]
+    rdp_rounds = max_rounds(per_round, target_epsilon=3.52, delta=1e-5)
+    prv_rounds = max_rounds(per_round, target_epsilon=3.52, delta=1e-5, accountant="prv")
+    assert rdp_rounds == 683 and prv_rounds > 683
+    assert epsilon_of([e.repeated(683) for e in per_round], 1e-5, accountant="prv") == pytest.approx(3.23, abs=0.02)
+    assert epsilon_of([e.repeated(prv_rounds) for e in per_round], 1e-5, accountant="prv") <= 3.52
+    assert epsilon_of([e.repeated(prv_rounds + 1) for e in per_round], 1e-5, accountant="prv") > 3.52
+    with pytest.raises(ConfigError, match="paper_code"):
+        max_rounds(per_round, target_epsilon=3.52, delta=1e-5, accountant="prv", rule="paper_code")
+
+
+def test_a_run_with_the_prv_accountant_plans_more_rounds_and_keeps_the_target():
+    from callbacks import NoisyLossReporting, RDPAccounting
+    from fedfdp import FedFDP
+    from tests.helpers import run_federation
+
+    algorithm = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+    rdp, prv = RDPAccounting(target_epsilon=8.0), RDPAccounting(target_epsilon=8.0, accountant="prv")
+    fed_rdp, _ = run_federation(FedFDP(**algorithm), [NoisyLossReporting(), rdp], rounds=None)
+    fed_prv, _ = run_federation(FedFDP(**algorithm), [NoisyLossReporting(), prv], rounds=None)
+    assert fed_prv.total_rounds > fed_rdp.total_rounds
+    assert prv.epsilon() <= 8.0 < prv.epsilon_rdp()

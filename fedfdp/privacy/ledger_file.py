@@ -1,0 +1,146 @@
+"""A crash-proof privacy ledger: one JSON line per release, appended and fsynced before it leaves.
+
+The accountant's in-memory state (:class:`fedfdp.privacy.accounting.PrivacyLedger`) lives in
+model checkpoints, which are written every few rounds; a crash between two checkpoints would
+forget the releases made since the last one, and a resumed (or restarted) run would release
+them again uncounted. This file is the accountant's source of truth instead:
+
+* every DP event is appended (``write`` + ``flush`` + ``os.fsync``) *before* the client's
+  upload is handed to the server (:meth:`callbacks.RDPAccounting.on_client_release`), so what
+  the server can have seen is always on disk;
+* a run (fresh, resumed from any checkpoint, or restarted without one) rebuilds its ledgers
+  from the file, so rounds that are replayed after a crash are charged again, never forgotten.
+
+Format: one JSON object per line,
+``{"round": t, "client": i, "kind": "model"|"loss"|..., "sigma": σ, "q": q, "steps": n}``.
+A line cut short by a crash during the write was never fsynced, hence never released: it is
+dropped when the file is opened again. Several processes (:mod:`fedfdp.distributed`) each
+append to their own file (``<stem>.rank<r>.jsonl``); reading takes the union.
+
+Written by hand: neither Opacus nor Lightning offers a durable, append-only accountant log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfdp.errors import DataError
+from fedfdp.privacy.accounting import DPEvent
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LedgerEntry", "LedgerFile"]
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One charged release: ``event`` of kind ``kind`` made by ``client`` in round ``round``."""
+
+    round: int
+    client: int
+    kind: str
+    event: DPEvent
+
+    def to_json(self) -> str:
+        """The entry as one JSON line (without the newline)."""
+        e = self.event
+        return json.dumps({"round": self.round, "client": self.client, "kind": self.kind,
+                           "sigma": float(e.noise_multiplier), "q": float(e.sample_rate), "steps": int(e.steps)})
+
+    @classmethod
+    def from_json(cls, line: str) -> LedgerEntry:
+        """Parse one line written by :meth:`to_json` (raises ``ValueError``/``KeyError`` if malformed)."""
+        d: dict[str, Any] = json.loads(line)
+        return cls(round=int(d["round"]), client=int(d["client"]), kind=str(d["kind"]),
+                   event=DPEvent(noise_multiplier=float(d["sigma"]), sample_rate=float(d["q"]),
+                                 steps=int(d["steps"])))
+
+
+class LedgerFile:
+    """Append-only, fsynced ledger at ``path`` (rank ``rank`` writes ``<stem>.rank<rank><suffix>``).
+
+    Args:
+        path: the ledger of rank 0, e.g. ``runs/x/privacy_ledger.jsonl``.
+        rank: this process's rank (other ranks write beside it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], rank: int = 0) -> None:
+        self.path = Path(path)
+        self.own_path = self.path if rank == 0 else self.path.with_name(
+            f"{self.path.stem}.rank{rank}{self.path.suffix}")
+        self._handle: Any = None
+
+    def files(self) -> list[Path]:
+        """Every rank's ledger file that exists (rank 0's first)."""
+        pattern = f"{self.path.stem}.rank*{self.path.suffix}"
+        others = sorted(p for p in self.path.parent.glob(pattern) if p != self.path)
+        return ([self.path] if self.path.exists() else []) + others
+
+    def read(self) -> list[LedgerEntry]:
+        """Every complete entry of every rank's file.
+
+        Raises:
+            DataError: a complete line (one that ends in a newline) is not a valid entry: the
+                ledger was edited or corrupted, and ε cannot be trusted.
+        """
+        entries: list[LedgerEntry] = []
+        for file in self.files():
+            text = file.read_text()
+            lines = text.split("\n")
+            for number, line in enumerate(lines[:-1], start=1):  # the last piece has no newline
+                if not line.strip():
+                    continue
+                try:
+                    entries.append(LedgerEntry.from_json(line))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise DataError(f"privacy ledger {file} line {number} is corrupt ({err}); it is the "
+                                    f"record of what this run released: restore it or start a new run_dir") from err
+            if lines[-1].strip():
+                logger.warning("privacy ledger %s ends in an incomplete line (a crash during its write, before "
+                               "that release left the client): ignored", file)
+        return entries
+
+    def append(self, entries: list[LedgerEntry]) -> None:
+        """Write ``entries`` and fsync them: they are on disk when this returns."""
+        if not entries:
+            return
+        if self._handle is None:
+            self._open()
+        self._handle.write("".join(e.to_json() + "\n" for e in entries))
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def _open(self) -> None:
+        self.own_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.own_path.exists():  # drop a line cut short by a crash, so appends start on a new line
+            data = self.own_path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(self.own_path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        self._handle = open(self.own_path, "a", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        _fsync_dir(self.own_path.parent)
+
+    def close(self) -> None:
+        """Close the file (appending again reopens it)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a newly created file's directory entry durable (POSIX; a no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,287 @@
+"""The run directory: one run per directory, and a resume that is the same run.
+
+A run directory (``--run_dir``) holds one run: ``config.yaml``, ``metrics.csv``, ``checkpoints/``,
+``summary.json``, ``report.md``, ``privacy_ledger.jsonl``. The command line (:mod:`fedfdp.fit`)
+uses this module, before it writes anything, to
+
+* refuse a fresh start into a directory that already holds a run (:func:`run_files`);
+* refuse a resume whose configuration differs from the saved ``config.yaml`` in anything that
+  changes the run (:func:`config_differences`, allow-list :data:`HARMLESS`);
+* resume from the saved ``config.yaml`` when no ``--config`` is given (:func:`with_saved_config`);
+* keep a second process out of a busy directory (:class:`RunLock`).
+
+Only the standard library, PyYAML and :mod:`fedfdp.errors` are imported here (no torch).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedfdp.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.yaml"
+LOCK_NAME = "run.lock"
+
+#: Dotted config paths a resume may change: they only affect logging, progress display, where
+#: things are read from, or how this invocation starts. Everything else (``model.*``, ``data.*``,
+#: ``seed_everything``, ``trainer.callbacks`` entries, other ``trainer.*`` fields, ``optimizer``,
+#: ``lr_scheduler``) changes the run and is refused. Prefixes match their whole subtree.
+#:
+#: * ``run_dir``, ``ckpt_path``, ``config``, ``print_config``: how this invocation starts;
+#: * ``wandb``, ``wandb_project``, ``wandb_group``, ``trainer.logger``, ``trainer.log_every_n_steps``,
+#:   ``trainer.enable_progress_bar``, ``trainer.enable_model_summary``: what is logged or shown;
+#: * ``data.init_args.data_dir``, ``data.init_args.download``, ``data.init_args.verify``: where the
+#:   dataset files are found (a resume on another machine); the checkpoint's partition
+#:   fingerprint still refuses data that partition differently.
+#:
+#: ``model.num_rounds`` is special: a resume may raise it (or set it to null, i.e. run until the
+#: privacy budget stops the run), which extends the run; lowering it is refused.
+HARMLESS: frozenset[str] = frozenset({
+    "run_dir", "ckpt_path", "config", "print_config",
+    "wandb", "wandb_project", "wandb_group",
+    "trainer.logger", "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+    "data.init_args.data_dir", "data.init_args.download", "data.init_args.verify",
+})
+NUM_ROUNDS = "model.num_rounds"
+_ABSENT = object()
+_MAX_LISTED = 6
+
+
+# ---- configuration differences --------------------------------------------------------------------
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted path, leaf value)`` pairs; list items are ``path[i]``; empty dicts/lists are leaves."""
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
+        for index, item in enumerate(value):
+            yield from _flatten(item, f"{prefix}[{index}]")
+    else:
+        yield prefix, value
+
+
+def _harmless(path: str) -> bool:
+    return any(path == h or path.startswith(h + ".") or path.startswith(h + "[") for h in HARMLESS)
+
+
+def _extends(saved: Any, new: Any) -> bool:
+    """Whether ``model.num_rounds`` going from ``saved`` to ``new`` extends (or keeps) the run."""
+    if new == saved or new is None:
+        return True
+    return isinstance(saved, int) and isinstance(new, int) and new > saved
+
+
+def _fmt(value: Any) -> str:
+    if value is _ABSENT:
+        return "<absent>"
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def config_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The run-changing differences between two resolved configs, as ``"path: saved X, new Y"``.
+
+    Fields under :data:`HARMLESS` are ignored; ``model.num_rounds`` may grow. A changed
+    ``class_path`` is reported once, not with every ``init_args`` under it. A key missing on
+    one side counts as null there.
+    """
+    old_flat, new_flat = dict(_flatten(saved)), dict(_flatten(new))
+    changed_classes: list[str] = []
+    out: list[str] = []
+    for path in sorted(set(old_flat) | set(new_flat), key=lambda p: (p.count("."), p)):
+        old, cur = old_flat.get(path, _ABSENT), new_flat.get(path, _ABSENT)
+        if (None if old is _ABSENT else old) == (None if cur is _ABSENT else cur) or _harmless(path):
+            continue
+        if path == NUM_ROUNDS and _extends(old, cur):
+            continue
+        if any(path.startswith(c + ".") or path.startswith(c + "[") for c in changed_classes):
+            continue
+        if path.endswith(".class_path"):
+            changed_classes.append(path[: -len(".class_path")])
+        note = " (may only be raised on resume)" if path == NUM_ROUNDS else ""
+        out.append(f"{path}: saved {_fmt(old)}, new {_fmt(cur)}{note}")
+    return out
+
+
+def check_resume(run_dir: Path, saved: dict[str, Any], new: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` (one line) if resuming ``run_dir`` with ``new`` changes the run."""
+    diffs = config_differences(saved, new)
+    if not diffs:
+        return
+    listed = "; ".join(diffs[:_MAX_LISTED]) + (f"; and {len(diffs) - _MAX_LISTED} more" if len(diffs) > _MAX_LISTED
+                                               else "")
+    raise ConfigError(
+        f"cannot resume {run_dir} with a different configuration: {listed}. A resume continues the run of "
+        f"{run_dir / CONFIG_NAME} (it may only change logging options and raise model.num_rounds); "
+        f"start a new run with another --run_dir to change it")
+
+
+# ---- run directory contents --------------------------------------------------------------------
+def run_files(run_dir: Path) -> list[str]:
+    """The files of an earlier run in ``run_dir`` (empty when there is none)."""
+    if not run_dir.is_dir():
+        return []
+    found = [name for name in (CONFIG_NAME, "summary.json", "metrics.csv") if (run_dir / name).is_file()]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    found += sorted(p.name for p in run_dir.glob("privacy_ledger*.jsonl"))
+    return found
+
+
+def _option(argv: Sequence[str], *names: str) -> tuple[bool, str | None]:
+    """Whether an option of ``names`` is in ``argv``, and its last value (``--name value`` or ``--name=value``)."""
+    found, value = False, None
+    for index, arg in enumerate(argv):
+        for name in names:
+            if arg == name:
+                found, value = True, argv[index + 1] if index + 1 < len(argv) else None
+            elif arg.startswith(name + "="):
+                found, value = True, arg[len(name) + 1:]
+    return found, value
+
+
+def with_saved_config(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--config RUN_DIR/config.yaml`` first when it resumes without a ``--config``.
+
+    ``--run_dir DIR --ckpt_path X`` resumes the run in ``DIR`` from its saved configuration;
+    anything else is returned unchanged.
+    """
+    argv = list(argv)
+    has_config, _ = _option(argv, "--config", "-c")
+    has_ckpt, ckpt = _option(argv, "--ckpt_path")
+    _, run_dir = _option(argv, "--run_dir")
+    if has_config or not has_ckpt or ckpt in (None, "null") or not run_dir:
+        return argv
+    saved = Path(run_dir) / CONFIG_NAME
+    if not saved.is_file():
+        raise ConfigError(f"run_dir {run_dir} has no {CONFIG_NAME} to resume from; give the run's --config "
+                          f"(or the --run_dir of an earlier run)")
+    logger.info("resuming %s with its saved configuration %s", run_dir, saved)
+    return ["--config", str(saved), *argv]
+
+
+# ---- one process per run directory ---------------------------------------------------------------
+def _read_holder(fd: int) -> str:
+    """The holder description written in a lock file (``pid N on host H``), or ``unknown``."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on host {info['host']}, since {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid unknown"
+
+
+def _busy(run_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(f"run_dir {run_dir} is in use by another run ({holder}; lock {run_dir / LOCK_NAME}); "
+                       f"wait for it to end or choose another --run_dir")
+
+
+def _release(path: Path, fd: int, created: list[Path], owner: int) -> None:
+    """Remove the lock file (still holding the lock), close it, and the empty directories we made.
+
+    Only in the process that took the lock: a forked child that exits leaves it alone.
+    """
+    if os.getpid() != owner:
+        return
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            path.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+    _remove_empty(created)  # a start that wrote nothing else leaves no trace
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) as long as they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+class RunLock:
+    """Exclusive ``fcntl.flock`` of ``RUN_DIR/run.lock`` (pid, host and start time inside).
+
+    The lock belongs to an open file descriptor, so the kernel releases it when the process
+    exits, however it exits: a lock file left by a SIGKILLed process does not block. A
+    released lock's file is removed; a locker that opened it before the removal notices (the
+    path then names another file or none) and tries again.
+
+    Args:
+        run_dir: the run directory (created by :meth:`acquire` if missing; removed again by
+            :meth:`release` if it is then empty).
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._finalizer: weakref.finalize | None = None
+
+    @staticmethod
+    def check_free(run_dir: Path) -> None:
+        """Raise :class:`ConfigError` if another process holds ``run_dir``'s lock (changes no file)."""
+        path = Path(run_dir) / LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(Path(run_dir), _read_holder(fd)) from None
+        finally:
+            os.close(fd)
+
+    def acquire(self) -> RunLock:
+        """Take the lock (creating the directory); :class:`ConfigError` if busy or not writable."""
+        created = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()]  # deepest first
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _read_holder(fd)
+                    os.close(fd)
+                    raise _busy(self.run_dir, holder) from None
+                try:
+                    if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                        break
+                except FileNotFoundError:
+                    pass
+                os.close(fd)  # released and removed between our open and flock: lock the new file
+        except OSError as err:
+            _remove_empty(created)
+            strerror = err.strerror or os.strerror(err.errno or errno.EIO)
+            raise ConfigError(f"run_dir {self.run_dir} is not writable: {strerror}") from err
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        # released at the latest when this object is collected or the interpreter exits
+        self._finalizer = weakref.finalize(self, _release, self.path, fd, created, os.getpid())
+        return self
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._finalizer is not None and self._finalizer.alive
+
+    def release(self) -> None:
+        """Release the lock and remove its file (and the directory, if this lock created it and it is empty)."""
+        if self._finalizer is not None:
+            self._finalizer()
+

@@ -1,0 +1,174 @@
+"""The crash-proof privacy ledger: every release on disk before it leaves, ε always from the ledger.
+
+The SIGKILL tests kill a real ``python -m fedfdp.fit`` at a random round, before and after its
+first checkpoint, resume it, and check that the reported ε covers every release the server saw
+(witnessed independently by :class:`tests.helpers.ReleaseTrace`) and never exceeds the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from callbacks import NoisyLossReporting, RDPAccounting
+from fedfdp import Federation
+from fedfdp.algorithms import DPFedAvg, FedFDP
+from fedfdp.errors import DataError, DivergenceError
+from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
+from tests.conftest import REPO
+from tests.helpers import tiny_client, tiny_data
+from tests.test_cli import TINY
+
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
+DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+STEP = DPEvent(noise_multiplier=1.0, sample_rate=0.2)
+
+
+# ---- the file ---------------------------------------------------------------------------------------
+def test_ledger_file_round_trip_and_a_torn_last_line_is_dropped(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    ledger = LedgerFile(path)
+    entries = [LedgerEntry(round=0, client=c, kind="model", event=STEP) for c in range(3)]
+    ledger.append(entries)
+    ledger.close()
+    assert LedgerFile(path).read() == entries
+    with open(path, "a") as f:  # a crash in the middle of a write: never fsynced, never released
+        f.write('{"round": 1, "client": 0, "ki')
+    assert LedgerFile(path).read() == entries
+    again = LedgerFile(path)
+    again.append([LedgerEntry(round=1, client=0, kind="loss", event=STEP)])
+    again.close()
+    assert len(LedgerFile(path).read()) == 4
+
+
+def test_a_corrupt_complete_line_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    path.write_text('{"round": 0, "client": 0, "kind": "model", "sigma": 1.0, "q": 0.2, "steps": 1}\nnot json\n')
+    with pytest.raises(DataError, match="privacy_ledger.jsonl line 2 is corrupt"):
+        LedgerFile(path).read()
+
+
+def test_other_ranks_write_beside_rank_zero_and_reading_takes_the_union(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    LedgerFile(path, rank=0).append([LedgerEntry(round=0, client=0, kind="model", event=STEP)])
+    LedgerFile(path, rank=1).append([LedgerEntry(round=0, client=1, kind="model", event=STEP)])
+    assert (tmp_path / "privacy_ledger.rank1.jsonl").exists()
+    assert sorted(e.client for e in LedgerFile(path).read()) == [0, 1]
+
+
+# ---- in-process runs ---------------------------------------------------------------------------------
+def _fit(algorithm, ledger, *, rounds, ckpt_path=None, save=None):
+    accountant = RDPAccounting(ledger_path=str(ledger))
+    fed = Federation(tiny_client(), algorithm, num_rounds=rounds, eval_every=100)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[NoisyLossReporting(), accountant])
+    trainer.fit(fed, datamodule=tiny_data(), ckpt_path=ckpt_path)
+    if save:
+        trainer.save_checkpoint(save)
+    return fed, accountant
+
+
+def _epsilon_of_rounds(rounds: int) -> float:
+    per_round = [STEP, DPEvent(noise_multiplier=5.0, sample_rate=0.2)]
+    return epsilon_of([e for _ in range(rounds) for e in per_round], 1e-5)
+
+
+def test_a_round_aborted_after_the_releases_is_charged(tmp_path):
+    ledger = tmp_path / "privacy_ledger.jsonl"
+    with pytest.raises(DivergenceError) as err:
+        _fit(DPFedAvg(**{**DP, "lr": 1e38}), ledger, rounds=5)
+    aborted = int(str(err.value).split("round ")[1].split(":")[0]) - 1  # "round 2: client ..." (1-based)
+    entries = LedgerFile(ledger).read()
+    assert {(e.round, e.client) for e in entries} == {(r, c) for r in range(aborted + 1) for c in range(3)}
+
+
+def test_resuming_from_an_older_checkpoint_recharges_the_replayed_rounds(tmp_path):
+    ledger, ckpt = tmp_path / "privacy_ledger.jsonl", tmp_path / "round3.ckpt"
+    _fit(FedFDP(**DP), ledger, rounds=3, save=ckpt)
+    _, acct = _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6
+    assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(6), rel=1e-9)
+    _, acct = _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6 again: released twice
+    assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(9), rel=1e-9)
+    assert len(LedgerFile(ledger).read()) == 9 * 3 * 2
+
+
+def test_a_restart_without_a_checkpoint_continues_the_ledger(tmp_path):
+    ledger = tmp_path / "privacy_ledger.jsonl"
+    _fit(FedFDP(**DP), ledger, rounds=2)
+    _, acct = _fit(FedFDP(**DP), ledger, rounds=2)  # no checkpoint: starts over at round 0
+    assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(4), rel=1e-9)
+
+
+def test_the_budget_counts_the_ledger_so_a_replaying_run_stops_earlier(tmp_path):
+    ledger = tmp_path / "privacy_ledger.jsonl"
+    target = _epsilon_of_rounds(5) + 1e-6  # exactly 5 rounds fit
+    acct = RDPAccounting(target_epsilon=target, ledger_path=str(ledger))
+    fed = Federation(tiny_client(), FedFDP(**DP), num_rounds=None, eval_every=100)
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=-1, callbacks=[NoisyLossReporting(), acct]).fit(
+        fed, datamodule=tiny_data())
+    assert fed.total_rounds == 5 and acct.epsilon() <= target
+    ledger.write_text("\n".join(ledger.read_text().splitlines()[: 2 * 3 * 2]) + "\n")  # keep rounds 1-2 only
+    acct = RDPAccounting(target_epsilon=target, ledger_path=str(ledger))
+    fed = Federation(tiny_client(), FedFDP(**DP), num_rounds=None, eval_every=100)
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=-1, callbacks=[NoisyLossReporting(), acct]).fit(
+        fed, datamodule=tiny_data())
+    assert fed.total_rounds == 3 and acct.epsilon() <= target  # 2 charged + 3 new = the budget
+
+
+# ---- kill -9 through the command line ------------------------------------------------------------------
+def _cmd(run_dir, trace, eval_every, *extra):
+    return [sys.executable, "-m", "fedfdp.fit", "--config", TINY, "--run_dir", str(run_dir),
+            "--model.num_rounds", "null", "--model.eval_every", str(eval_every),
+            "--trainer.callbacks.init_args.target_epsilon", "20",
+            "--trainer.callbacks+=tests.helpers.ReleaseTrace", "--trainer.callbacks.init_args.path", str(trace),
+            "--trainer.callbacks+=callbacks.RunSummary", "--trainer.callbacks.report", "false", *extra]
+
+
+def _released_epsilon(trace) -> float:
+    """ε of everything the server saw, per the independent trace (max over clients)."""
+    per_client: dict[int, list[DPEvent]] = defaultdict(list)
+    for line in trace.read_text().splitlines():
+        row = json.loads(line)
+        per_client[row["client"]] += [DPEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in row["events"]]
+    return max(epsilon_of(events, 1e-5) for events in per_client.values())
+
+
+@pytest.mark.parametrize("eval_every", [10_000, 7], ids=["before-first-checkpoint", "after-checkpoints"])
+def test_sigkill_at_a_random_round_never_reports_less_epsilon_than_released(tmp_path, eval_every):
+    run_dir, trace = tmp_path / "run", tmp_path / "trace.jsonl"
+    kill_after = random.Random(os.getpid() + eval_every).randint(5, 60) * 3  # uploads seen, 3 clients a round
+    proc = subprocess.Popen(_cmd(run_dir, trace, eval_every), cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if trace.exists() and len(trace.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the kill did not land mid-run"
+    if eval_every < 100:
+        assert (run_dir / "checkpoints" / "last.ckpt").exists(), "the kill landed before the first checkpoint"
+
+    done = subprocess.run(_cmd(run_dir, trace, eval_every, "--ckpt_path", "last"), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epsilon"] >= _released_epsilon(trace) - 1e-12  # never below what was released
+    assert summary["epsilon"] <= 20.0  # and never over the budget
+    ledger = LedgerFile(run_dir / "privacy_ledger.jsonl").read()
+    seen = len(trace.read_text().splitlines())
+    assert len(ledger) >= 2 * seen  # a model and a loss entry per upload the server saw

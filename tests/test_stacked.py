@@ -1,0 +1,208 @@
+"""The stacked round (fedfdp.stacked) equals the per-client round, and falls back when it must."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
+from fedfdp import ClientModule, DPFedAvg, FedFDP
+from fedfdp.privacy.per_sample import GhostEngine, VmapEngine
+from fedfdp.stacked import StackedRound
+from tests.helpers import TinyConvNet, flat, run_federation, tiny_data
+
+DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+# C large: the fair factor 1 + λ(ℓ_j − F̄) (not C/‖g_j‖) binds, and λ = 1 makes it vary (and go negative)
+FAIR = dict(lr=0.5, sample_rate=0.2, max_grad_norm=100.0, noise_multiplier=1.0, fairness_weight=1.0)
+
+
+class Uploads(FederationCallback):
+    """Keeps every released upload (client, DP events, reported loss, diagnostics) in release order."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int, int, list, float | None, dict[str, float]]] = []
+
+    def on_client_release(self, trainer, federation, update):
+        self.released.append((federation.current_round, update.client_id, list(update.dp_events),
+                              update.reported_loss, dict(update.diagnostics)))
+
+
+class CountStacked:
+    """Counts stacked rounds (wraps StackedRound.run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rounds = 0
+        run = StackedRound.run
+
+        def counted(obj, *args, **kwargs):
+            self.rounds += 1
+            return run(obj, *args, **kwargs)
+
+        monkeypatch.setattr(StackedRound, "run", counted)
+
+
+def _net(kind: str) -> torch.nn.Module | None:
+    torch.manual_seed(0)
+    return TinyConvNet() if kind == "conv" else None  # None: tests.helpers' MLP
+
+
+def _run(algorithm_factory, net_kind: str, stacked: bool, rounds: int = 3, **kwargs):
+    uploads, accountant = Uploads(), RDPAccounting()
+    fed, _ = run_federation(algorithm_factory(), [NoisyLossReporting(), accountant, uploads], rounds=rounds,
+                            net=_net(net_kind), stacked_round=stacked, **kwargs)
+    return fed, uploads, accountant
+
+
+def _assert_same_run(stacked_run, per_client_run) -> None:
+    (fed_s, up_s, acc_s), (fed_p, up_p, acc_p) = stacked_run, per_client_run
+    a, b = flat(fed_s.global_model), flat(fed_p.global_model)
+    assert float((a - b).norm() / b.norm()) < 1e-6
+    assert [(r, c, e) for r, c, e, _, _ in up_s.released] == [(r, c, e) for r, c, e, _, _ in up_p.released]
+    assert acc_s.epsilon() == acc_p.epsilon()
+    for (_, _, _, loss_s, diag_s), (_, _, _, loss_p, diag_p) in zip(up_s.released, up_p.released):
+        assert math.isclose(loss_s, loss_p, rel_tol=1e-5, abs_tol=1e-6)
+        assert diag_s["batch_size"] == diag_p["batch_size"]
+        assert diag_s["negative_fraction"] == diag_p["negative_fraction"]
+        assert math.isclose(diag_s["train_loss"], diag_p["train_loss"], rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+@pytest.mark.parametrize("algorithm", ["dpfedavg", "fedfdp"])
+def test_stacked_round_equals_per_client_round(monkeypatch, algorithm, net_kind):
+    factory = (lambda: DPFedAvg(**DP)) if algorithm == "dpfedavg" else (lambda: FedFDP(**FAIR))
+    counter = CountStacked(monkeypatch)
+    stacked = _run(factory, net_kind, stacked=True)
+    assert counter.rounds == 3
+    per_client = _run(factory, net_kind, stacked=False)
+    assert counter.rounds == 3  # stacked_round=False never stacks
+    _assert_same_run(stacked, per_client)
+    if algorithm == "fedfdp":  # the fair factor binds: some |s_j| < 1 although C/‖g_j‖ > 1
+        assert any(diag["clipped_fraction"] > 0 for *_, diag in stacked[1].released)
+
+
+@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+def test_stacked_round_with_empty_client_batches(monkeypatch, net_kind):
+    """A client whose Poisson batch is empty still gets its noise (and a model that moved)."""
+    factory = lambda: FedFDP(**{**FAIR, "sample_rate": 0.01})  # noqa: E731  ~100 samples per client
+    counter = CountStacked(monkeypatch)
+    stacked = _run(factory, net_kind, stacked=True)
+    per_client = _run(factory, net_kind, stacked=False)
+    assert counter.rounds == 3
+    sizes = [diag["batch_size"] for *_, diag in stacked[1].released]
+    assert 0 in sizes and any(s > 0 for s in sizes)
+    _assert_same_run(stacked, per_client)
+
+
+def test_all_batches_empty(monkeypatch):
+    factory = lambda: DPFedAvg(**{**DP, "sample_rate": 1e-6})  # noqa: E731
+    counter = CountStacked(monkeypatch)
+    stacked = _run(factory, "conv", stacked=True, rounds=2)
+    per_client = _run(factory, "conv", stacked=False, rounds=2)
+    assert counter.rounds == 2
+    assert all(diag["batch_size"] == 0 for *_, diag in stacked[1].released)
+    _assert_same_run(stacked, per_client)
+
+
+class LoggingClient(ClientModule):
+    """A user's client that overrides the private step (and must therefore run client by client)."""
+
+    calls = 0
+
+    def _private_step(self, batch):
+        type(self).calls += 1
+        return super()._private_step(batch)
+
+
+class CountingDPFedAvg(DPFedAvg):
+    """A user's algorithm with its own local update."""
+
+    calls = 0
+
+    def local_update(self, client, data, context, generator):
+        type(self).calls += 1
+        return super().local_update(client, data, context, generator)
+
+
+def _fallback_messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "stacked round off" in r.getMessage()]
+
+
+def test_client_override_runs_per_client_and_logs_once(monkeypatch, caplog):
+    counter = CountStacked(monkeypatch)
+    torch.manual_seed(0)
+    client = LoggingClient(TinyConvNet())
+    caplog.set_level(logging.INFO, logger="fedfdp.stacked")
+    from lightning.pytorch import Trainer
+
+    from fedfdp import Federation
+
+    fed = Federation(client, DPFedAvg(**DP), num_rounds=3, seed=0)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
+                      callbacks=[RDPAccounting()])
+    trainer.fit(fed, datamodule=tiny_data())
+    assert counter.rounds == 0
+    assert LoggingClient.calls == 3 * 3  # 3 rounds x 3 clients, each through the override
+    messages = _fallback_messages(caplog)
+    assert len(messages) == 1 and "LoggingClient overrides ClientModule._private_step" in messages[0]
+
+
+def test_algorithm_override_runs_per_client_and_logs_once(monkeypatch, caplog):
+    counter = CountStacked(monkeypatch)
+    caplog.set_level(logging.INFO, logger="fedfdp.stacked")
+    CountingDPFedAvg.calls = 0
+    run_federation(CountingDPFedAvg(**DP), [RDPAccounting()], rounds=3)
+    assert counter.rounds == 0 and CountingDPFedAvg.calls == 9
+    messages = _fallback_messages(caplog)
+    assert len(messages) == 1 and "CountingDPFedAvg.stackable_step returned None" in messages[0]
+
+
+def test_several_local_steps_run_per_client(monkeypatch):
+    counter = CountStacked(monkeypatch)
+    run_federation(DPFedAvg(**DP, local_steps=2), [RDPAccounting()], rounds=2)
+    assert counter.rounds == 0
+
+
+def test_vmap_engine_runs_per_client(monkeypatch):
+    counter = CountStacked(monkeypatch)
+    torch.manual_seed(0)
+    from lightning.pytorch import Trainer
+
+    from fedfdp import Federation
+
+    fed = Federation(ClientModule(TinyConvNet(), per_sample="vmap"), DPFedAvg(**DP), num_rounds=1, seed=0)
+    Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=-1, callbacks=[RDPAccounting()]).fit(fed, datamodule=tiny_data())
+    assert counter.rounds == 0
+
+
+@pytest.mark.parametrize("conv_method", ["materialize", "input_gram"])
+@pytest.mark.parametrize("engine_kind", ["ghost", "vmap"])
+def test_segment_weighted_sums_equal_per_segment_sums(engine_kind, conv_method):
+    if engine_kind == "vmap" and conv_method == "input_gram":
+        pytest.skip("the vmap engine has no conv method")
+    torch.manual_seed(0)
+    net = TinyConvNet()
+    engine = GhostEngine(net, conv_method=conv_method) if engine_kind == "ghost" else VmapEngine(net)
+    x, y = torch.randn(23, 1, 8, 8, dtype=torch.float64), torch.randint(0, 4, (23,))
+    net.double()
+    offsets = [0, 5, 5, 17, 23]  # an empty segment in the middle
+    weights = torch.rand(23, dtype=torch.float64) - 0.3
+    segments = engine.compute(x, y).segment_weighted_sums(weights, offsets)
+    assert len(segments) == 4
+    for (lo, hi), got in zip(zip(offsets, offsets[1:]), segments):
+        expected = (engine.compute(x[lo:hi], y[lo:hi]).weighted_sum(weights[lo:hi]) if hi > lo
+                    else [torch.zeros_like(p) for p in net.parameters()])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_segment_offsets_are_checked():
+    torch.manual_seed(0)
+    engine = GhostEngine(TinyConvNet())
+    result = engine.compute(torch.randn(4, 1, 8, 8), torch.randint(0, 4, (4,)))
+    with pytest.raises(ValueError, match="offsets"):
+        result.segment_weighted_sums(torch.ones(4), [0, 3, 2, 4])
