@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from callbacks.loss_reporting import LossReporting, NoisyLossReporting
+from fedfdp.metrics import eval_batch_size
 from fedfdp.types import ClientData, ClientUpdate
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ class _GlobalModelLosses(LossReporting):
     def _losses(self, client: ClientModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         assert self._federation is not None
         model = self._federation.global_model
-        parts = [client.per_sample_loss(model(x[i:i + self.eval_batch_size]), y[i:i + self.eval_batch_size])
-                 for i in range(0, y.shape[0], self.eval_batch_size)]
+        step = eval_batch_size(self.eval_batch_size, y.device)
+        parts = [client.per_sample_loss(model(x[i:i + step]), y[i:i + step]) for i in range(0, y.shape[0], step)]
         return torch.cat(parts) if parts else torch.zeros(0, device=y.device)
 
 

@@ -52,13 +52,15 @@ class ClusteredDataModule(FederatedDataModule):
         sampling: ``disjoint`` (IID shards) or ``overlap`` (independent draws; clients may share).
         merge_official_splits: Pool the official train and test splits before sampling.
         partition_seed: Seed of the sampling (>= 0).
+        val_fraction: Fraction of each client's training samples held out as its validation split
+            (see :class:`~datamodules.federated.FederatedDataModule`; 0: none).
         download: Download missing files (needs network access).
     """
 
     def __init__(self, *, data_dir: str = "data", cluster_sizes: tuple[int, ...] = (3, 6, 6, 6),
                  shift: Shift = "rotation", train_per_client: int = 400, test_per_client: int = 100,
                  sampling: Literal["disjoint", "overlap"] = "disjoint", merge_official_splits: bool = True,
-                 partition_seed: int = 1, download: bool = False) -> None:
+                 partition_seed: int = 1, val_fraction: float = 0.0, download: bool = False) -> None:
         sizes_ok = isinstance(cluster_sizes, (tuple, list)) and len(cluster_sizes) >= 1 and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cluster_sizes)
         check_fields(
@@ -73,7 +75,7 @@ class ClusteredDataModule(FederatedDataModule):
         super().__init__(data_dir=data_dir, num_clients=int(sum(cluster_sizes)), partition="iid",
                          train_fraction=train_per_client / (train_per_client + test_per_client),
                          merge_official_splits=merge_official_splits, partition_seed=partition_seed,
-                         download=download)
+                         val_fraction=val_fraction, download=download)
         self.cluster_sizes = tuple(int(s) for s in cluster_sizes)
         self.shift, self.sampling = shift, sampling
         self.train_per_client, self.test_per_client = int(train_per_client), int(test_per_client)
@@ -121,12 +123,17 @@ class ClusteredDataModule(FederatedDataModule):
             return
         x, y = self._merged_arrays()
         self._indices = self._client_indices(len(y), np.random.default_rng(self.partition_seed))
+        self._hold_out_validation()
         train, test = [], []
         for cid, (tr, te) in enumerate(self._indices):
             k = int(self.client_cluster[cid])
             train.append(self._shifted(self._client_tensors(x, y, tr), k))
             test.append(self._shifted(self._client_tensors(x, y, te), k))
         self._store = (ClientSplits.from_clients(train), ClientSplits.from_clients(test))
+        if self._val_indices:
+            self._val_store = ClientSplits.from_clients(
+                [self._shifted(self._client_tensors(x, y, va), int(self.client_cluster[cid]))
+                 for cid, va in enumerate(self._val_indices)])
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         logger.info("%s: %d clients in clusters %s (%s shift, %s sampling), %d/%d samples each",

@@ -2,8 +2,10 @@
 
 Pipeline of :meth:`FederatedDataModule.setup`: load arrays → optionally merge the official
 train and test splits → check labels and image shape → partition (Dirichlet label skew or IID,
-``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test → store each split once, grouped by client, in
-the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
+``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test → optionally
+hold ``val_fraction`` of every client's *training* samples out as its validation split (a separate
+generator seeded by ``partition_seed``, so the partition and the test splits do not depend on it) →
+store each split once, grouped by client, in the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
 memory). ``(x / 255 - mean) / std`` is applied when a client's slice or an evaluation batch is read,
 so memory is the raw dataset once, whatever the number of clients.
 
@@ -28,6 +30,7 @@ from datamodules.partition import (
     iid_partition,
     partition_fingerprint,
     train_test_split_indices,
+    validation_split_indices,
 )
 from fedfdp.errors import ConfigError, DataError, require
 
@@ -36,10 +39,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["ClientSplits", "FederatedDataModule", "check_fields", "check_finite"]
 
 Split = tuple[Tensor, Tensor]
+SplitName = Literal["train", "test", "val"]
+_SPLITS: dict[str, int] = {"train": 0, "test": 1, "val": 2}
+#: Second seed word of the validation hold-out's generator ("val"): a stream of its own, so the
+#: partition and the train/test split are the same whatever ``val_fraction`` is.
+_VAL_STREAM = 0x76616C
 
 
 class ClientSplits:
-    """One split (train or test) of every client, stored once and grouped by client.
+    """One split (train, test or validation) of every client, stored once and grouped by client.
 
     ``x`` keeps the dtype it was loaded in; ``normalize`` maps a raw slice to the model's float32
     input. A client's data is the contiguous slice ``offsets[c]:offsets[c+1]``, read on demand,
@@ -141,6 +149,14 @@ class FederatedDataModule(L.LightningDataModule):
         merge_official_splits: Merge the official train and test splits before partitioning
             (the paper's setting); if false only the official train split is partitioned.
         partition_seed: Seed of the partition and of the per-client train/test split (>= 0).
+        val_fraction: Fraction of each client's *training* samples held out as its validation
+            split, in [0, 1) (for hyper-parameter tuning: ``python -m fedfdp.experiments tune``).
+            0 (the default) holds nothing out and leaves everything as without the option. When
+            > 0, training uses only the rest (``client_train``, ``train_sizes``); the held-out part
+            is :meth:`client_val` / ``pooled_raw("val")``, and the federation's evaluations also
+            report ``val_accuracy`` and the fairness summary on it (``val_psi``,
+            ``val_accuracy_worst``, ...). The hold-out is drawn from its own generator seeded by
+            ``partition_seed``, so the partition and the test splits are the same as with 0.
         download: When the files are found nowhere (see :mod:`datamodules.paths` for where they are
             looked for): ``"auto"`` downloads them if the network answers (an offline machine fails
             within seconds, with one line), ``true`` downloads them (an error when that fails),
@@ -164,6 +180,7 @@ class FederatedDataModule(L.LightningDataModule):
         train_fraction: float = 0.75,
         merge_official_splits: bool = True,
         partition_seed: int = 1,
+        val_fraction: float = 0.0,
         download: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
@@ -178,6 +195,7 @@ class FederatedDataModule(L.LightningDataModule):
                 merge_official_splits, isinstance(merge_official_splits, bool), "true or false"
             ),
             partition_seed=(partition_seed, _is_int(partition_seed, 0), "an integer >= 0"),
+            val_fraction=(val_fraction, _is_real(val_fraction) and 0 <= val_fraction < 1, "in [0, 1)"),
             download=(download, isinstance(download, bool) or download == "auto", "true, false or 'auto'"),
         )
         self.data_dir = data_dir
@@ -188,11 +206,15 @@ class FederatedDataModule(L.LightningDataModule):
         self.train_fraction = float(train_fraction)
         self.merge_official_splits = merge_official_splits
         self.partition_seed = int(partition_seed)
+        self.val_fraction = float(val_fraction)
         self.download = download
         self.train_sizes = np.zeros(0, dtype=np.int64)
         self.test_sizes = np.zeros(0, dtype=np.int64)
+        self.val_sizes = np.zeros(0, dtype=np.int64)
         self._store: tuple[ClientSplits, ClientSplits] | None = None
+        self._val_store: ClientSplits | None = None
         self._indices: list[tuple[np.ndarray, np.ndarray]] = []
+        self._val_indices: list[np.ndarray] = []
         self._input_shape: tuple[int, int, int] | None = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -220,21 +242,51 @@ class FederatedDataModule(L.LightningDataModule):
             self._indices = [train_test_split_indices(p, self.train_fraction, rng) for p in parts]
         except ConfigError as exc:  # partition messages start with the argument name
             raise ConfigError(f"data.{exc}") from exc
+        self._hold_out_validation()
         self._store = (self._grouped(x, y, [tr for tr, _ in self._indices]),
                        self._grouped(x, y, [te for _, te in self._indices]))
+        if self._val_indices:
+            self._val_store = self._grouped(x, y, self._val_indices)
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         logger.info(
-            "%s: %d samples over %d clients; train sizes %s; test sizes %s",
+            "%s: %d samples over %d clients; train sizes %s; test sizes %s%s",
             type(self).__name__,
             len(y),
             self.num_clients,
             self.train_sizes.tolist(),
             self.test_sizes.tolist(),
+            f"; validation sizes {self.val_sizes.tolist()} (held out of the training splits)" if self._val_indices
+            else "",
         )
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+
+    def _hold_out_validation(self) -> None:
+        """Move ``val_fraction`` of every client's training indices in ``_indices`` to ``_val_indices``.
+
+        Nothing happens when ``val_fraction`` is 0. The generator is its own stream seeded by
+        ``partition_seed`` (:data:`_VAL_STREAM`), drawn client by client, so the result is a
+        deterministic function of the partition and the seed, and the test splits are untouched.
+        Subclasses with their own ``setup`` call this after computing ``_indices`` and before
+        storing the splits.
+        """
+        self._val_indices = []
+        self.val_sizes = np.zeros(0, dtype=np.int64)
+        if self.val_fraction <= 0:
+            return
+        rng = np.random.default_rng([self.partition_seed, _VAL_STREAM])
+        kept: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            for train, test in self._indices:
+                rest, val = validation_split_indices(train, self.val_fraction, rng)
+                kept.append((rest, test))
+                self._val_indices.append(val)
+        except ConfigError as exc:
+            raise ConfigError(f"data.{exc}") from exc
+        self._indices = kept
+        self.val_sizes = np.array([len(v) for v in self._val_indices], dtype=np.int64)
 
     def _merged_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Load the arrays, merge the official splits if asked, check them; images get a C dim."""
@@ -288,13 +340,22 @@ class FederatedDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ public API
     def _split(self, which: int) -> ClientSplits:
-        """Every client's train (0) or test (1) data; RuntimeError before setup()."""
+        """Every client's train (0), test (1) or validation (2) data; RuntimeError before setup()."""
         if self._store is None:
             raise RuntimeError(f"{type(self).__name__}.setup() must be called before accessing client data")
+        if which == 2:
+            if self._val_store is None:
+                raise RuntimeError(f"{type(self).__name__} has no validation split: set data.val_fraction > 0")
+            return self._val_store
         return self._store[which]
 
+    @property
+    def has_validation(self) -> bool:
+        """Whether a validation split is held out of the training splits (``val_fraction > 0``, after setup)."""
+        return self._val_store is not None
+
     def _client(self, which: int, cid: int) -> Split:
-        """Client ``cid``'s train (0) or test (1) split after range-checking ``cid``."""
+        """Client ``cid``'s train (0), test (1) or validation (2) split after range-checking ``cid``."""
         splits = self._split(which)
         if not _is_int(cid, 0) or cid >= self.num_clients:
             raise IndexError(f"client id must be in [0, {self.num_clients}), got {cid!r}")
@@ -324,13 +385,19 @@ class FederatedDataModule(L.LightningDataModule):
         """Client ``cid``'s test split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""
         return self._client(1, cid)
 
-    def pooled_raw(self, split: Literal["train", "test"]) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
-        """Every client's ``split`` as stored: ``(raw x, y, client_id, normalize)``, no copy of x.
+    def client_val(self, cid: int) -> Split:
+        """Client ``cid``'s validation split (held out of its training split; needs ``val_fraction > 0``)."""
+        return self._client(2, cid)
 
-        Evaluation reads batches of the raw block and normalises each batch, so a pass over all
-        clients costs one batch of float32 memory, not a float32 copy of the split.
+    def pooled_raw(self, split: SplitName) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """Every client's ``split`` (``train``, ``test`` or ``val``) as stored: ``(raw x, y, client_id, normalize)``.
+
+        No copy of x: evaluation reads batches of the raw block and normalises each batch, so a
+        pass over all clients costs one batch of float32 memory, not a float32 copy of the split.
         """
-        store = self._split(0 if split == "train" else 1)
+        if split not in _SPLITS:
+            raise ValueError(f"split must be one of {', '.join(_SPLITS)}, got {split!r}")
+        store = self._split(_SPLITS[split])
         return store.x, store.y, store.client_ids(), store.normalize
 
     def pooled_train(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -354,21 +421,30 @@ class FederatedDataModule(L.LightningDataModule):
     def partition_config(self) -> dict[str, Any]:
         """Settings that determine the partition (hashed into the fingerprint; subclasses extend it)."""
         keys = ("num_clients", "partition", "alpha", "min_size", "train_fraction", "merge_official_splits")
-        return {"dataset": type(self).__name__, **{k: getattr(self, k) for k in (*keys, "partition_seed")}}
+        config = {"dataset": type(self).__name__, **{k: getattr(self, k) for k in (*keys, "partition_seed")}}
+        if self.val_fraction > 0:  # absent at 0, so partitions without a validation split keep their fingerprint
+            config["val_fraction"] = self.val_fraction
+        return config
 
     def fingerprint(self) -> str:
-        """Sha256 over :meth:`partition_config` and every client's train/test index arrays."""
+        """Sha256 over :meth:`partition_config` and every client's train/test (/validation) index arrays."""
         self._split(0)
-        return partition_fingerprint(self.partition_config(), self._indices)
+        if not self._val_indices:
+            return partition_fingerprint(self.partition_config(), self._indices)
+        return partition_fingerprint(self.partition_config(),
+                                     [(tr, te, va) for (tr, te), va in zip(self._indices, self._val_indices)])
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the partition fingerprint, its config and the client sizes."""
-        return {
+        """Return the partition fingerprint, its config and the client sizes (validation sizes when held out)."""
+        state = {
             "fingerprint": self.fingerprint(),
             "config": self.partition_config(),
             "train_sizes": self.train_sizes.tolist(),
             "test_sizes": self.test_sizes.tolist(),
         }
+        if self._val_indices:
+            state["val_sizes"] = self.val_sizes.tolist()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise DataError unless a checkpoint's partition equals this one (checked after setup)."""

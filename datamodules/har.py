@@ -86,6 +86,8 @@ class HARDataModule(FederatedDataModule):
         num_clients: subjects used (all 30 by default; fewer are drawn with ``partition_seed``).
         train_fraction: per-subject training fraction (paper 0.7; the authors' code 0.8).
         partition_seed: seed of the subject choice and of the per-subject split.
+        val_fraction: fraction of each subject's training windows held out as its validation split
+            (see :class:`~datamodules.federated.FederatedDataModule`; 0: none).
     """
 
     num_classes: int = 6
@@ -93,9 +95,9 @@ class HARDataModule(FederatedDataModule):
     std: tuple[float, ...] = (1.0,) * 9
 
     def __init__(self, *, data_dir: str = "data", num_clients: int = 30, train_fraction: float = 0.7,
-                 partition_seed: int = 1) -> None:
+                 partition_seed: int = 1, val_fraction: float = 0.0) -> None:
         super().__init__(data_dir=data_dir, num_clients=num_clients, partition="iid", train_fraction=train_fraction,
-                         partition_seed=partition_seed)
+                         partition_seed=partition_seed, val_fraction=val_fraction)
         self.subjects = np.zeros(0, dtype=np.int64)
 
     def load_windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,11 +118,14 @@ class HARDataModule(FederatedDataModule):
                                                                                       replace=False))
         self.subjects = chosen
         self._indices = [train_test_split_indices(np.flatnonzero(subj == s), self.train_fraction, rng) for s in chosen]
+        self._hold_out_validation()
         windows = torch.from_numpy(np.ascontiguousarray(x[:, :, None, :], dtype=np.float32))
         labels = torch.from_numpy(y.astype(np.int64))
         self._input_shape = (int(x.shape[1]), 1, int(x.shape[2]))
         self._store = tuple(ClientSplits.from_clients([(windows[idx], labels[idx]) for idx in parts])  # type: ignore[assignment]
                             for parts in zip(*self._indices))
+        if self._val_indices:
+            self._val_store = ClientSplits.from_clients([(windows[idx], labels[idx]) for idx in self._val_indices])
         self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
         self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
         if self._pending_state is not None:
@@ -147,12 +152,14 @@ class SyntheticHARDataModule(HARDataModule):
         seed: seed of the generated data.
         train_fraction: per-subject training fraction.
         partition_seed: seed of the per-subject split.
+        val_fraction: fraction of each subject's training windows held out for validation (0: none).
     """
 
     def __init__(self, *, num_clients: int = 10, windows_per_activity: tuple[int, int] = (20, 30), seq_len: int = 128,
-                 channels: int = 9, seed: int = 0, train_fraction: float = 0.7, partition_seed: int = 1) -> None:
+                 channels: int = 9, seed: int = 0, train_fraction: float = 0.7, partition_seed: int = 1,
+                 val_fraction: float = 0.0) -> None:
         super().__init__(data_dir="synthetic", num_clients=num_clients, train_fraction=train_fraction,
-                         partition_seed=partition_seed)
+                         partition_seed=partition_seed, val_fraction=val_fraction)
         lo, hi = (tuple(windows_per_activity) + (0, 0))[:2]
         check_fields(windows_per_activity=(windows_per_activity, 1 <= lo <= hi, "two integers 1 <= lo <= hi"),
                      seq_len=(seq_len, seq_len >= 8, "an integer >= 8"),

@@ -24,7 +24,8 @@ from fedfdp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["dirichlet_partition", "iid_partition", "partition_fingerprint", "train_test_split_indices"]
+__all__ = ["dirichlet_partition", "iid_partition", "partition_fingerprint", "train_test_split_indices",
+           "validation_split_indices"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -221,13 +222,44 @@ def train_test_split_indices(
     return np.sort(shuffled[:n_train]), np.sort(shuffled[n_train:])
 
 
-def partition_fingerprint(config: Mapping[str, Any], splits: Sequence[tuple[np.ndarray, np.ndarray]]) -> str:
+def validation_split_indices(
+    train: np.ndarray, val_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Hold ``val_fraction`` of one client's training indices out as its validation split.
+
+    The validation part receives ``floor(val_fraction * n + 1/2)`` samples, clamped so both parts
+    are non-empty.
+
+    Args:
+        train: 1-D array of the client's training indices.
+        val_fraction: Fraction held out, in (0, 1).
+        rng: Source of randomness for the shuffle.
+
+    Returns:
+        ``(train, val)`` int64 index arrays, each sorted ascending, disjoint, covering ``train``.
+
+    Raises:
+        ConfigError: If ``val_fraction`` is outside (0, 1) or the client holds < 2 training samples.
+    """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, Real) or not 0 < val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    train = np.asarray(train, dtype=np.int64).reshape(-1)
+    n = len(train)
+    if n < 2:
+        raise ConfigError(f"val_fraction needs >= 2 training samples per client, got a client with {n}")
+    n_val = min(max(int(math.floor(val_fraction * n + 0.5)), 1), n - 1)
+    shuffled = rng.permutation(train)
+    return np.sort(shuffled[n_val:]), np.sort(shuffled[:n_val])
+
+
+def partition_fingerprint(config: Mapping[str, Any], splits: Sequence[tuple[np.ndarray, ...]]) -> str:
     """Sha256 hex digest identifying a partition: its config plus every client's index arrays.
 
     Args:
         config: JSON-serialisable settings that produced the partition (hashed with sorted keys).
-        splits: Per client ``(train_indices, test_indices)``; lengths are hashed too, so moving
-            an index between neighbouring clients changes the digest.
+        splits: Per client ``(train_indices, test_indices)`` (and ``val_indices`` when a validation
+            split is held out); lengths are hashed too, so moving an index between neighbouring
+            clients changes the digest.
 
     Returns:
         64 hexadecimal characters.

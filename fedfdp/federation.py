@@ -33,7 +33,7 @@ from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
-from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
+from fedfdp.metrics import EvaluationResult, eval_batch_size, evaluate_clientwise, fairness_summary
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.seeding import RandomSource, make_generator, numpy_generator
 from fedfdp.stacked import StackedRound
@@ -76,7 +76,12 @@ class Federation(LightningModule):
         clients_per_round: clients sampled uniformly per round (``null``: all, as in the paper).
         eval_every: evaluate the global model every this many rounds (and always at the end).
         eval_train_splits: also evaluate on every client's training split (Ψ_train_global).
-        eval_batch_size: batch size of evaluation passes.
+        eval_train_every: evaluate the training splits (3x the test data in the paper's splits)
+            every this many rounds, and at every evaluation of the last ``5 * eval_every`` rounds
+            (so the final evaluation and the mean over the last five, as the FinP tables use, always
+            have them); null: ``5 * eval_every``. Must be a multiple of ``eval_every``.
+        eval_batch_size: batch size of evaluation passes (null: 128 on CPU, where a CNN's
+            activations then stay in the cache, 4096 on accelerators; :func:`fedfdp.metrics.eval_batch_size`).
         server_optimizer: optimizer of the global model on the pseudo-gradient (SGD lr 1 = FedAvg).
         seed: seed of every random stream of the run (client sampling, Poisson batches, noise).
         secure_rng: draw Poisson masks and DP noise from the OS CSPRNG instead of seeded
@@ -93,7 +98,8 @@ class Federation(LightningModule):
 
     def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
                  clients_per_round: int | None = None, eval_every: int = 10, eval_train_splits: bool = True,
-                 eval_batch_size: int = 1024, server_optimizer: OptimizerCallable = _server_sgd,
+                 eval_train_every: int | None = None,
+                 eval_batch_size: int | None = None, server_optimizer: OptimizerCallable = _server_sgd,
                  seed: int = 0, secure_rng: bool = False, stacked_round: bool = True,
                  stacked_max_batch: int | None = None) -> None:
         super().__init__()
@@ -101,7 +107,11 @@ class Federation(LightningModule):
         require(clients_per_round is None or clients_per_round >= 1,
                 f"model.clients_per_round must be >= 1 or null, got {clients_per_round}")
         require(eval_every >= 1, f"model.eval_every must be >= 1, got {eval_every}")
-        require(eval_batch_size >= 1, f"model.eval_batch_size must be >= 1, got {eval_batch_size}")
+        require(eval_train_every is None or (eval_train_every >= 1 and eval_train_every % eval_every == 0),
+                f"model.eval_train_every must be a positive multiple of model.eval_every={eval_every} or null, "
+                f"got {eval_train_every}")
+        require(eval_batch_size is None or eval_batch_size >= 1,
+                f"model.eval_batch_size must be >= 1 or null, got {eval_batch_size}")
         require(stacked_max_batch is None or stacked_max_batch >= 1,
                 f"model.stacked_max_batch must be >= 1 or null, got {stacked_max_batch}")
         if not isinstance(algorithm, Algorithm):
@@ -114,7 +124,8 @@ class Federation(LightningModule):
         self.clients_per_round = clients_per_round
         self.eval_every = eval_every
         self.eval_train_splits = eval_train_splits
-        self.eval_batch_size = eval_batch_size
+        self.eval_train_every = eval_train_every if eval_train_every is not None else _TRAIN_EVAL_EVERY * eval_every
+        self._eval_batch_size = eval_batch_size
         self.server_optimizer = server_optimizer
         self.seed = seed
         self.secure_rng = secure_rng
@@ -228,6 +239,11 @@ class Federation(LightningModule):
 
     # ---- federation ----------------------------------------------------------------------------
     @property
+    def eval_batch_size(self) -> int:
+        """Batch size of evaluation passes on this module's device (the configured one if set)."""
+        return eval_batch_size(self._eval_batch_size, self.device)
+
+    @property
     def num_clients(self) -> int:
         """N, the number of clients of the datamodule."""
         return self.datamodule.num_clients
@@ -334,17 +350,25 @@ class Federation(LightningModule):
             self.log("accuracy", evaluation["accuracy"], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def evaluate(self, rounds_done: int) -> dict[str, float]:
-        """Each client's evaluation model on its test (and train) split; fires ``on_evaluate``."""
+        """Each client's evaluation model on its test (and train, and validation) split; fires ``on_evaluate``.
+
+        With a validation split (``data.val_fraction > 0``) the scalars include ``val_accuracy`` and
+        the fairness summary on it (``val_psi``, ``val_accuracy_worst``, ...), which tuning scores on.
+        """
         weights = torch.as_tensor(np.asarray(self.datamodule.train_sizes), dtype=torch.float64)
         test = self._evaluate_split("test")
         acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
         scalars = {"accuracy": float(test["pooled_accuracy"]), **fairness_summary(acc, loss, weights)}
         scalars["psi_paper"] = scalars["psi"]
-        if self.eval_train_splits:
+        if self.evaluates_train_splits(rounds_done):
             train = self._evaluate_split("train")
             scalars["train_accuracy"] = float(train["pooled_accuracy"])
             scalars["psi_train_global"] = fairness_summary(train["accuracy"].cpu(), train["loss"].cpu(),
                                                            weights)["psi"]
+        if self.datamodule.has_validation:  # data.val_fraction > 0: held out of the training splits (tuning)
+            val = self._evaluate_split("val")
+            scalars["val_accuracy"] = float(val["pooled_accuracy"])
+            scalars.update(fairness_summary(val["accuracy"].cpu(), val["loss"].cpu(), weights, prefix="val_"))
         result = EvaluationResult(round=rounds_done, client_accuracy=acc, client_loss=loss,
                                   weights=weights, scalars=scalars)
         self.last_evaluation = result
@@ -354,12 +378,23 @@ class Federation(LightningModule):
                     scalars["psi"], scalars["accuracy_worst"])
         return {**scalars, **extra}
 
+    def evaluates_train_splits(self, rounds_done: int) -> bool:
+        """Whether the evaluation after ``rounds_done`` rounds covers the training splits.
+
+        Every ``eval_train_every`` rounds, and at each evaluation of the last
+        ``_TRAIN_EVAL_TAIL * eval_every`` rounds (the final one included).
+        """
+        if not self.eval_train_splits:
+            return False
+        return (rounds_done % self.eval_train_every == 0
+                or rounds_done > self.total_rounds - _TRAIN_EVAL_TAIL * self.eval_every)
+
     def _evaluate_split(self, split: str) -> dict[str, torch.Tensor]:
         """One pooled pass per evaluation model (one in total for a single global model).
 
         The pooled split is read in its stored (compact) form and normalised batch by batch.
         """
-        x, y, cid, normalize = self.datamodule.pooled_raw("test" if split == "test" else "train")
+        x, y, cid, normalize = self.datamodule.pooled_raw(split if split in ("test", "val") else "train")
         rank, world = rank_and_world()
         if world > 1:  # each process evaluates a shard; torchmetrics sums the counts across processes
             x, y, cid = x[rank::world], y[rank::world], cid[rank::world]
@@ -400,6 +435,14 @@ def _load_malloc_trim() -> Any:
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
         return None
 
+
+_TRAIN_EVAL_EVERY = 5
+"""Default ``eval_train_every`` in units of ``eval_every``: the training splits are 3x the test data
+(FashionMNIST's 75/25 split), so evaluating them at every evaluation costs 4x a test evaluation."""
+
+_TRAIN_EVAL_TAIL = 5
+"""The last this many evaluations always cover the training splits (the FinP tables average the
+train accuracy of the last five evaluations; the report shows the final one)."""
 
 _MALLOC_TRIM = _load_malloc_trim()
 _TRIM_EVERY = 10

@@ -107,21 +107,41 @@ def fairness_summary(accuracy: Tensor, loss: Tensor, weights: Tensor, prefix: st
     }
 
 
-@torch.no_grad()
+CPU_EVAL_BATCH = 128
+"""Forward-only batch size on CPU. A CNN's activations must stay in the cache: on FashionMNIST's
+FedAvgCNN (2-core EPYC, 32 MB L3) a forward pass costs 0.12 ms/sample in batches of 128 and
+0.20-0.22 ms/sample in batches of 1024 (CPU time, interleaved runs)."""
+
+ACCELERATOR_EVAL_BATCH = 4096
+"""Forward-only batch size on accelerators (larger batches, fewer kernel launches)."""
+
+
+def eval_batch_size(requested: int | None, device: torch.device) -> int:
+    """``requested``, or the device's default for forward-only passes when it is None."""
+    if requested is not None:
+        return requested
+    return CPU_EVAL_BATCH if device.type == "cpu" else ACCELERATOR_EVAL_BATCH
+
+
 def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,
-                        num_clients: int, batch_size: int = 4096,
+                        num_clients: int, batch_size: int | None = None,
                         transform: Callable[[Tensor], Tensor] | None = None) -> dict[str, Tensor]:
     """One pass of ``model`` over pooled data tagged by client; per-client accuracy and loss.
 
     ``transform`` (e.g. the datamodule's normalisation of raw ``uint8`` images) is applied per
-    batch, so the pooled data can stay in its compact stored form.
+    batch, so the pooled data can stay in its compact stored form. ``batch_size`` None picks the
+    device's default (:func:`eval_batch_size`).
     """
+    step = eval_batch_size(batch_size, x.device)
     metric = ClientwiseMetrics(num_clients).to(x.device)
     was_training = model.training
     model.eval()
-    for start in range(0, y.shape[0], batch_size):
-        sl = slice(start, start + batch_size)
-        logits = model(x[sl] if transform is None else transform(x[sl]))
-        metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
-    model.train(was_training)
-    return metric.compute()
+    try:
+        with torch.inference_mode():
+            for start in range(0, y.shape[0], step):
+                sl = slice(start, start + step)
+                logits = model(x[sl] if transform is None else transform(x[sl]))
+                metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
+            return metric.compute()
+    finally:
+        model.train(was_training)

@@ -23,10 +23,11 @@ Every random stream is therefore consumed as in the per-client path; the models 
 floating-point summation order (the batch shapes differ).
 
 The union runs in engine passes over groups of whole consecutive clients of at most ``max_batch``
-samples (:func:`group_clients`): on accelerators in effect one pass, on CPU passes of about 512
-samples, since a batch whose activations leave the cache costs more per sample. The peak memory
-of a pass is that of a ``max_batch``-sample private step (the engine's conv chunking bounds the
-per-sample buffers); a client's clip rule always sees its whole batch.
+expected samples ``q|D_i|`` (:func:`group_clients`): on accelerators in effect one pass, on CPU
+passes of about 512 samples, since a batch whose activations leave the cache costs more per
+sample. The peak memory of a pass is that of a private step on about ``max_batch`` samples (the
+engine's conv chunking bounds the per-sample buffers) plus the group's training splits; a
+client's clip rule always sees its whole batch.
 
 The algorithm declares the step with :meth:`fedfdp.algorithms.Algorithm.stackable_step`; the
 federation falls back to the per-client path (logged once) whenever stacking could change what
@@ -64,10 +65,13 @@ class StackedStepSpec:
             ``σC``, denominator, and ``generator`` itself, from which the noise is drawn next).
         update: ``(client, data, step_output) -> ClientUpdate``: the upload once the step is
             taken (the local model is read from ``client``).
+        sample_rate: the Poisson rate q of ``batch``; the engine passes are planned from the
+            expected batch sizes ``q|D_i|`` (public), before any batch is drawn.
     """
 
     batch: Callable[[ClientData, RandomSource], LocalBatch]
     update: Callable[[ClientModule, ClientData, StepOutput], ClientUpdate]
+    sample_rate: float
 
 
 def unstackable_reason(federation: Federation) -> str | None:
@@ -98,19 +102,20 @@ def unstackable_reason(federation: Federation) -> str | None:
 
 _CPU_MAX_BATCH = 512
 """Samples per engine pass of a stacked round on CPU. Per-sample cost grows with the batch once its
-activations leave the cache: on FashionMNIST's FedAvgCNN (2-core EPYC) 256-512 samples per pass
-cost 0.9-1.2 ms/sample and the whole 2250-sample union 1.5 ms/sample, so the union runs in groups
-of whole clients of about this size."""
+activations leave the cache: on FashionMNIST's FedAvgCNN (2-core EPYC, 32 MB L3) passes of 256-512
+samples cost 1.1-1.3 ms/sample and one pass over the 2250-sample union 1.7 ms/sample (the whole
+round then takes 1.27x the per-client round's time), so the union runs in groups of whole clients
+of about this size."""
 
 _ACCELERATOR_MAX_BATCH = 16384
 """The same on accelerators, where one pass over the union is the point (fewer, larger kernels);
 it only bounds the memory of the activations."""
 
 
-def group_clients(batch_sizes: list[int], max_batch: int) -> list[range]:
-    """Consecutive clients in groups of at most ``max_batch`` samples (a larger client alone).
+def group_clients(batch_sizes: list[float], max_batch: int) -> list[range]:
+    """Consecutive clients in groups of at most ``max_batch`` (expected) samples (a larger client alone).
 
-    >>> group_clients([46, 286, 428, 118, 200, 53], 512)
+    >>> group_clients([46.2, 286.1, 428.3, 117.7, 200.05, 53.25], 512)
     [range(0, 2), range(2, 3), range(3, 6)]
     """
     groups: list[range] = []
@@ -130,8 +135,8 @@ class StackedRound:
 
     Args:
         max_batch: samples per engine pass: the union of the clients' batches is split into groups
-            of whole consecutive clients of at most this many samples (a client with more runs
-            alone). None: 512 on CPU, 16384 on accelerators (in effect the whole union).
+            of whole consecutive clients of at most this many expected samples (a client with more
+            runs alone). None: 512 on CPU, 16384 on accelerators (in effect the whole union).
     """
 
     def __init__(self, max_batch: int | None = None) -> None:
@@ -155,42 +160,42 @@ class StackedRound:
     def run(self, federation: Federation, spec: StackedStepSpec, client_ids: list[int],
             global_params: Tensor) -> list[ClientUpdate]:
         """The round's uploads of ``client_ids`` (in that order), each released through the callbacks."""
-        round_idx = federation.current_round
-        batches: list[LocalBatch] = []
-        for cid in client_ids:  # each client's first draw: its Poisson mask
-            batch = spec.batch(federation.client_data(cid), federation.generator("client", round_idx, cid))
-            if batch.clip_rule is None or batch.generator is None:
-                raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
-            batches.append(batch)
+        sizes = federation.datamodule.train_sizes
+        expected = [spec.sample_rate * int(sizes[cid]) for cid in client_ids]
         max_batch = self.max_batch or (_CPU_MAX_BATCH if federation.device.type == "cpu" else _ACCELERATOR_MAX_BATCH)
         updates: list[ClientUpdate] = []
-        for group in group_clients([int(b.y.shape[0]) for b in batches], max_batch):
-            updates.extend(self._run_group(federation, spec, [client_ids[k] for k in group],
-                                           [batches[k] for k in group], global_params))
+        for group in group_clients(expected, max_batch):
+            updates.extend(self._run_group(federation, spec, [client_ids[k] for k in group], global_params))
         return updates
 
     @staticmethod
-    def _run_group(federation: Federation, spec: StackedStepSpec, client_ids: list[int], batches: list[LocalBatch],
+    def _run_group(federation: Federation, spec: StackedStepSpec, client_ids: list[int],
                    global_params: Tensor) -> list[ClientUpdate]:
         """One engine pass at ``w_t`` over the group's batches, then each client's step and release in order."""
         client = federation.client
+        round_idx = federation.current_round
+        data = [federation.client_data(cid) for cid in client_ids]
+        batches = [spec.batch(d, federation.generator("client", round_idx, cid))  # each client's first draw
+                   for d, cid in zip(data, client_ids)]
+        if any(b.clip_rule is None or b.generator is None for b in batches):
+            raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
         offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
         client.set_flat_params(global_params)
         result = client.engine.compute(torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches]))
         losses, norms = result.losses, result.norms
         segments = list(zip(offsets, offsets[1:]))
         # each client's own clip rule on its whole batch (and its diagnostics, e.g. the negative fraction)
-        factors = [b.clip_rule(losses[lo:hi], norms[lo:hi]) for b, (lo, hi) in zip(batches, segments)]  # type: ignore[misc]
+        factors = [b.clip_rule(losses[lo:hi], norms[lo:hi])  # type: ignore[misc]
+                   for b, (lo, hi) in zip(batches, segments)]
         sums: list[list[Tensor] | None] = list(result.segment_weighted_sums(torch.cat(factors), offsets))
         del result  # the per-sample buffers are not needed any more
         updates = []
-        for k, (cid, batch, (lo, hi)) in enumerate(zip(client_ids, batches, segments)):
+        for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
             client.set_flat_params(global_params)
             clipped_sum, sums[k] = sums[k], None
             assert clipped_sum is not None
             output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
-            data = federation.client_data(cid)  # reloaded rather than kept: memory as in the per-client path
-            update = spec.update(client, data, output)
-            federation.release_client_update(data, update)
+            update = spec.update(client, data[k], output)
+            federation.release_client_update(data[k], update)
             updates.append(update)
         return updates

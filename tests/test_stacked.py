@@ -96,6 +96,19 @@ def test_stacked_round_with_empty_client_batches(monkeypatch, net_kind):
     _assert_same_run(stacked, per_client)
 
 
+@pytest.mark.parametrize(("max_batch", "passes_per_round"), [(40, 2), (1, 3)])
+def test_stacked_round_in_several_engine_passes(monkeypatch, max_batch, passes_per_round):
+    """Groups of whole clients (expected batch ~20 each): the same run as client by client."""
+    calls = []
+    compute = GhostEngine.compute
+    monkeypatch.setattr(GhostEngine, "compute", lambda engine, x, y: calls.append(len(y)) or compute(engine, x, y))
+    factory = lambda: FedFDP(**FAIR)  # noqa: E731
+    stacked = _run(factory, "conv", stacked=True, stacked_max_batch=max_batch)
+    assert len(calls) == 3 * passes_per_round
+    per_client = _run(factory, "conv", stacked=False)
+    _assert_same_run(stacked, per_client)
+
+
 def test_all_batches_empty(monkeypatch):
     factory = lambda: DPFedAvg(**{**DP, "sample_rate": 1e-6})  # noqa: E731
     counter = CountStacked(monkeypatch)

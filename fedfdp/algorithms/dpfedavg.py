@@ -118,4 +118,5 @@ class DPFedAvg(Algorithm):
             return None
         return StackedStepSpec(
             batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator),
-            update=lambda client, data, output: self.client_update(client, data, [output]))
+            update=lambda client, data, output: self.client_update(client, data, [output]),
+            sample_rate=self.sample_rate)

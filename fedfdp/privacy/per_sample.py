@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedfdp.layout import run_channels_last
 from fedfdp.privacy.conv_grads import (
     ConvMethod,
     Workspace,
@@ -114,16 +113,13 @@ class GhostEngine:
     """
 
     def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy,
-                 conv_method: ConvMethod = "auto", channels_last: bool = True) -> None:
+                 conv_method: ConvMethod = "auto") -> None:
         problem = ghost_unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"GhostEngine cannot handle this model: {problem}")
         self.net = net
         self.loss_fn = loss_fn
         self.conv_method = conv_method
-        # channels-last conv activations on CPU (fedfdp.layout): the forward, the output-only
-        # backward and the per-sample factors of a CNN's step run ~15 % faster
-        self.channels_last = channels_last
         # Per-layer buffers for materialised per-sample gradients, reused across steps: a fresh
         # multi-MB allocation per step is returned to the OS and page-faulted back every time,
         # which costs as much as computing the gradients. ``_generation`` invalidates old results.
@@ -153,10 +149,17 @@ class GhostEngine:
         """
         if x.shape[0] == 0:
             return _empty_result(self.net, x)
-        if self.channels_last:
-            losses, captured = run_channels_last(self.net, lambda: self._forward(x, y), x.device)
-        else:
-            losses, captured = self._forward(x, y)
+        captured: list[tuple[nn.Module, Tensor, Tensor]] = []
+
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            captured.append((module, inputs[0].detach(), output))
+
+        handles = [layer.register_forward_hook(hook) for layer in self.layers]
+        try:
+            losses = self.loss_fn(self.net(x), y)
+        finally:
+            for handle in handles:
+                handle.remove()
         if len(captured) != len(self.layers):
             raise RuntimeError("a layer ran more or less than once per forward pass (weight tying?)")
         outputs = [out for _, _, out in captured]
@@ -196,22 +199,6 @@ class GhostEngine:
             return segments
 
         return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum, segment_weighted_sums)
-
-
-    def _forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, list[tuple[nn.Module, Tensor, Tensor]]]:
-        """Per-sample losses, and every trainable layer's ``(module, input, output)`` of the pass."""
-        captured: list[tuple[nn.Module, Tensor, Tensor]] = []
-
-        def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            captured.append((module, inputs[0].detach(), output))
-
-        handles = [layer.register_forward_hook(hook) for layer in self.layers]
-        try:
-            losses = self.loss_fn(self.net(x), y)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return losses, captured
 
 
 @dataclass

@@ -1,0 +1,687 @@
+"""Hyper-parameter tuning on held-out validation data (``python -m fedfdp.experiments tune``), with Optuna.
+
+::
+
+    python -m fedfdp.experiments tune --config configs/fmnist.yaml --trials 30 [--study-dir DIR]
+        [--seeds 0] [--val-fraction 0.1] [--objective val_accuracy] [--last 5] [--rounds R]
+        [--space SPACE.yaml] [--wandb MODE] [--dry-run]
+
+**Validation data only.** Every trial trains with ``--data.init_args.val_fraction V`` (default
+0.1): that fraction of each client's *training* split is held out (seeded by the partition seed;
+the partition and the test splits are those of an untuned run) and the federation's evaluations
+also report ``val_accuracy``, ``val_accuracy_worst``, ``val_psi``, ... The objective is read from
+the run's ``summary.json``: the mean over the last ``--last`` (5) evaluations of a validation
+metric or a weighted sum of them (``--objective "val_accuracy+val_accuracy_worst"``,
+``"val_accuracy-10*val_psi"``), maximised. Only ``val_*`` metrics are accepted; the test metrics
+that every run also records are never read.
+
+**Trials.** Trial ``k`` is one ``python -m fedfdp.fit`` subprocess with run directory
+``<study-dir>/trial<k>/`` (``trial<k>/seed<s>/`` per seed when ``--seeds`` lists several; the
+objective is then the mean over the seeds): the base config plus the trial's values as dotted
+command-line overrides (``harness.json`` in the run directory holds the command, ``fit.log`` its
+output). It logs to W&B like any run, in the group ``--study-name`` (default: the study
+directory's name). Trial 0 of a new study starts from the config's own values where they lie in
+the search space, so the chosen configuration is never worse on validation than the config.
+
+**Search space** (``--space FILE``, YAML or JSON; the default, :data:`DEFAULT_SPACE`, suits the
+DP-SGD configs such as ``configs/fmnist.yaml`` and ``configs/fmnist_dpfedavg.yaml``): a mapping
+from dotted config keys (as on the ``fedfdp.fit`` command line) to a distribution
+``{type: float, low, high, log: true}``, ``{type: int, low, high}``, ``{type: categorical,
+choices: [...]}``, or a fixed value. ``choices`` may also be a mapping of named alternatives whose
+values hold further distributions (the server optimizer: SGD with a momentum, or Adam with its
+lr). The study writes the space it uses to ``<study-dir>/search_space.yaml``. There is no
+search over an exponential moving average of the global weights: the federation has none.
+
+**Rounds.** Without ``--rounds`` every trial runs the config's rounds: for the DP configs
+(``num_rounds: null``) as many as the privacy budget allows for the trial's sample rate and local
+steps (``callbacks.RDPAccounting`` plans them). ``--rounds R`` caps every trial at R rounds: a
+shortened study for quick iteration, which the output says.
+
+**Resume.** The study lives in ``<study-dir>/study.db`` (SQLite); ``--trials N`` is the number of
+finished trials the study should hold, so running the command again (with a larger N) continues
+it: finished trials are kept and not re-run. A trial interrupted while running (Ctrl-C, a killed
+job) is finished first, in its own run directory, from its last checkpoint (``--ckpt_path
+last``; from the start when it had saved none), with the same values. A trial whose run fails
+(a diverging learning rate, say) counts as finished and failed (Optuna state FAIL, the reason in
+its ``error`` attribute and ``fit.log``) and is not re-run; when the first trials of a study fail
+before any has finished, the command stops with the error instead (a broken config or search
+space would fail every trial). A study is tied to its
+settings (config file and content, validation fraction, objective, rounds, seeds, search space):
+resuming it with others is refused.
+
+**Result.** ``<study-dir>/best.yaml`` is the base config with the best trial's values (and the
+same ``val_fraction``, so the final model trains on the same data it was tuned on; the base
+config's rounds, not the ``--rounds`` cap), ``best.json`` the trial, its value and the command
+that trains it and reports its test metrics: test numbers are reported only for the chosen
+configuration, from that run. Tuning itself is not charged to ε (as in the paper and most of the
+literature): ε covers one training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedfdp.cli_errors import config_file_problem
+from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.rundir import run_files
+
+logger = logging.getLogger(__name__)
+
+VAL_KEY = "data.init_args.val_fraction"
+ROUNDS_KEY = "model.num_rounds"
+
+#: The default search space (see the module docstring for the format).
+DEFAULT_SPACE_YAML = """\
+# Search space of `python -m fedfdp.experiments tune` (dotted config keys, as on the fedfdp.fit
+# command line). The default: a DP-SGD algorithm (FedFDP, DP-FedAvg) on FashionMNIST.
+model.algorithm.init_args.lr: {type: float, low: 0.1, high: 10.0, log: true}             # local lr
+model.algorithm.init_args.max_grad_norm: {type: float, low: 0.01, high: 1.0, log: true}  # C
+model.algorithm.init_args.sample_rate: {type: float, low: 0.01, high: 0.2, log: true}    # q (rounds follow from eps)
+model.algorithm.init_args.local_steps: {type: int, low: 1, high: 4}
+model.server_optimizer:
+  type: categorical
+  choices:
+    sgd:   # lr 1 and momentum 0 is FedAvg's average
+      class_path: torch.optim.SGD
+      init_args: {lr: 1.0, momentum: {type: float, low: 0.0, high: 0.9}}
+    adam:  # FedAdam
+      class_path: torch.optim.Adam
+      init_args: {lr: {type: float, low: 0.001, high: 0.1, log: true}}
+"""
+DEFAULT_SPACE: dict[str, Any] = yaml.safe_load(DEFAULT_SPACE_YAML)
+_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_TERM = re.compile(r"\s*([+-])?\s*(?:(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*\*\s*)?"
+                   r"([A-Za-z_]\w*)\s*")
+
+
+class TuneError(ValueError):
+    """A usage error of the tune command (reported as one ``error:`` line, exit status 2)."""
+
+
+# ---- objective -----------------------------------------------------------------------------------
+def parse_objective(text: str) -> list[tuple[float, str]]:
+    """``"val_accuracy+0.5*val_accuracy_worst"`` -> ``[(1.0, "val_accuracy"), (0.5, "val_accuracy_worst")]``.
+
+    Raises:
+        TuneError: when the text is not a signed sum of ``[weight*]metric`` terms or names a
+            metric that is not a validation metric (``val_*``).
+    """
+    terms: list[tuple[float, str]] = []
+    pos = 0
+    text = text or ""
+    while pos < len(text):
+        match = _TERM.match(text, pos)
+        if match is None or match.end() == pos or (terms and match.group(1) is None):
+            raise TuneError(f"--objective must be a sum of [weight*]metric terms such as "
+                            f"'val_accuracy+0.5*val_accuracy_worst', got {text!r}")
+        sign = -1.0 if match.group(1) == "-" else 1.0
+        terms.append((sign * float(match.group(2) or 1.0), match.group(3)))
+        pos = match.end()
+    if not terms:
+        raise TuneError("--objective needs at least one validation metric, e.g. val_accuracy")
+    bad = [name for _, name in terms if not name.startswith("val_")]
+    if bad:
+        raise TuneError(f"--objective uses validation metrics only (val_accuracy, val_accuracy_worst, val_psi, "
+                        f"...): trials must not be scored on test data, got {', '.join(bad)}")
+    return terms
+
+
+def objective_value(summary: dict[str, Any], terms: Sequence[tuple[float, str]], last: int) -> float:
+    """Mean over the last ``last`` evaluations (``summary["history"]``) of ``Σ weight · metric``.
+
+    Only the named validation metrics are read. Raises ValueError when no evaluation has them
+    (a datamodule without a validation split).
+    """
+    names = [name for _, name in terms]
+    rows = [h for h in summary.get("history") or [] if all(name in h for name in names)]
+    if not rows:
+        raise ValueError(f"summary.json has no evaluation with {', '.join(names)} (does the datamodule support "
+                         f"data.init_args.val_fraction?)")
+    rows = rows[-last:]
+    return sum(sum(w * float(h[name]) for w, name in terms) for h in rows) / len(rows)
+
+
+# ---- search space --------------------------------------------------------------------------------
+def _is_distribution(spec: Any) -> bool:
+    return isinstance(spec, dict) and spec.get("type") in ("float", "int", "categorical")
+
+
+def _distribution(name: str, spec: dict[str, Any]) -> Any:
+    """The Optuna distribution of a ``{type: ...}`` spec (TuneError naming ``name`` when it is bad)."""
+    import optuna
+
+    kind = spec["type"]
+    allowed = {"float": {"type", "low", "high", "log", "step"}, "int": {"type", "low", "high", "log", "step"},
+               "categorical": {"type", "choices"}}[kind]
+    extra = sorted(set(spec) - allowed)
+    if extra:
+        raise TuneError(f"search space: {name}: unknown field(s) {', '.join(extra)} for type {kind} "
+                        f"(accepted: {', '.join(sorted(allowed))})")
+    try:
+        if kind == "categorical":
+            choices = spec.get("choices")
+            if isinstance(choices, dict):
+                if not choices:
+                    raise ValueError("choices must not be empty")
+                return optuna.distributions.CategoricalDistribution([str(k) for k in choices])
+            if not isinstance(choices, list) or not choices:
+                raise ValueError("choices must be a non-empty list or a mapping of named alternatives")
+            return optuna.distributions.CategoricalDistribution(choices)
+        if "low" not in spec or "high" not in spec:
+            raise ValueError("low and high are required")
+        cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
+        args = {"low": spec["low"], "high": spec["high"], "log": bool(spec.get("log", False))}
+        if "step" in spec:
+            args["step"] = spec["step"]
+        if kind == "int" and not all(isinstance(args[k], int) and not isinstance(args[k], bool)
+                                     for k in ("low", "high")):
+            raise ValueError("low and high must be integers")
+        if kind == "float" and not all(isinstance(args[k], (int, float)) and not isinstance(args[k], bool)
+                                       and math.isfinite(args[k]) for k in ("low", "high")):
+            raise ValueError("low and high must be finite numbers")
+        return cls(**args)
+    except (ValueError, TypeError) as err:
+        raise TuneError(f"search space: {name}: {' '.join(str(err).split())}") from err
+
+
+def _check_nested(name: str, value: Any) -> None:
+    """Validate every distribution inside a fixed value or a named alternative."""
+    if _is_distribution(value):
+        _distribution(name, value)
+        if value["type"] == "categorical" and isinstance(value["choices"], dict):
+            for choice, sub in value["choices"].items():
+                _check_nested(f"{name}.{choice}", sub)
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            _check_nested(f"{name}.{key}", sub)
+
+
+def load_space(path: str | None) -> dict[str, Any]:
+    """The search space of ``path`` (YAML or JSON), or :data:`DEFAULT_SPACE`; checked (TuneError)."""
+    if path is None:
+        space = copy.deepcopy(DEFAULT_SPACE)
+    else:
+        try:
+            space = yaml.safe_load(Path(path).read_text())
+        except (OSError, UnicodeDecodeError) as err:
+            raise TuneError(f"--space {path} cannot be read ({' '.join(str(err).split())})") from err
+        except yaml.YAMLError as err:
+            raise TuneError(f"--space {path} is not valid YAML or JSON: {str(err).splitlines()[0]}") from err
+        if not isinstance(space, dict) or not space:
+            raise TuneError(f"--space {path} must hold a non-empty mapping of dotted config keys to distributions")
+    for key, spec in space.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise TuneError(f"search space: {key!r} is not a dotted config key such as model.algorithm.init_args.lr")
+        if key == VAL_KEY:
+            raise TuneError(f"search space: {VAL_KEY} is set by --val-fraction (every trial must score on the same "
+                            f"validation data); leave it out of the space")
+        if key.startswith(("run_dir", "ckpt_path", "seed_everything", "config")):
+            raise TuneError(f"search space: {key} is set by the tune command, not searched")
+        _check_nested(key, spec)
+    return space
+
+
+def _resolve(trial: Any, name: str, value: Any) -> Any:
+    """``value`` with every distribution inside replaced by the trial's suggestion (named by its path)."""
+    if _is_distribution(value):
+        kind = value["type"]
+        if kind == "float":
+            return trial.suggest_float(name, value["low"], value["high"], log=bool(value.get("log", False)),
+                                       step=value.get("step"))
+        if kind == "int":
+            return trial.suggest_int(name, value["low"], value["high"], log=bool(value.get("log", False)),
+                                     step=value.get("step", 1))
+        choices = value["choices"]
+        if isinstance(choices, dict):
+            pick = trial.suggest_categorical(name, [str(k) for k in choices])
+            return _resolve(trial, f"{name}.{pick}", choices[pick])
+        return trial.suggest_categorical(name, choices)
+    if isinstance(value, dict):
+        return {k: _resolve(trial, f"{name}.{k}", v) for k, v in value.items()}
+    return value
+
+
+def sample_overrides(trial: Any, space: dict[str, Any]) -> dict[str, Any]:
+    """One trial's values: dotted config key -> value (a class_path/init_args mapping for a choice)."""
+    return {key: _resolve(trial, key, spec) for key, spec in space.items()}
+
+
+def _get_dotted(config: dict[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def baseline_params(config: dict[str, Any], space: dict[str, Any]) -> dict[str, Any]:
+    """The config's own values of the space's plain float/int/categorical keys that lie in their range."""
+    params: dict[str, Any] = {}
+    for key, spec in space.items():
+        if not _is_distribution(spec):
+            continue
+        value = _get_dotted(config, key)
+        if value is None or isinstance(value, bool):
+            continue
+        if spec["type"] == "categorical":
+            if isinstance(spec["choices"], list) and value in spec["choices"]:
+                params[key] = value
+        elif isinstance(value, (int, float)) and spec["low"] <= value <= spec["high"]:
+            if spec["type"] == "int" and not isinstance(value, int):
+                continue
+            params[key] = value
+    return params
+
+
+def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a copy) with every dotted key of ``overrides`` set (a mapping replaces the node)."""
+    config = copy.deepcopy(config)
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = copy.deepcopy(value)
+    return config
+
+
+def _cli_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    """``fedfdp.fit`` command-line options setting ``overrides`` (``--key value``; a class_path
+    mapping becomes ``--key CLASS --key.arg value ...``, as jsonargparse reads it)."""
+    args: list[str] = []
+    for key, value in overrides.items():
+        if isinstance(value, dict) and "class_path" in value:
+            args += [f"--{key}", str(value["class_path"])]
+            for arg, sub in (value.get("init_args") or {}).items():
+                args += [f"--{key}.{arg}", _cli_value(sub)]
+        elif isinstance(value, dict) and value:
+            args += override_args({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            args += [f"--{key}", _cli_value(value)]
+    return args
+
+
+# ---- trials --------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    """What a study is tied to (stored in the study; a resume must give the same)."""
+
+    config: Path
+    study_dir: Path
+    study_name: str
+    val_fraction: float
+    objective: str
+    terms: list[tuple[float, str]]
+    last: int
+    rounds: int | None
+    seeds: list[int]
+    space: dict[str, Any]
+    wandb: str | None
+    fit_args: list[str]
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resumed study must share with the one it continues."""
+        return {"config": str(self.config.resolve()),
+                "config_sha256": hashlib.sha256(self.config.read_bytes()).hexdigest(),
+                "val_fraction": self.val_fraction, "objective": self.objective, "last": self.last,
+                "rounds": self.rounds, "seeds": list(self.seeds), "space": self.space}
+
+    def run_dir(self, number: int, seed: int) -> Path:
+        base = self.study_dir / f"trial{number}"
+        return base if len(self.seeds) == 1 else base / f"seed{seed}"
+
+
+def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> list[str]:
+    """The ``fedfdp.fit`` command of one trial run (resuming its checkpoint when it has one)."""
+    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(settings.config), "--run_dir", str(run_dir),
+           "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false",
+           "--wandb_group", settings.study_name, f"--{VAL_KEY}", _cli_value(settings.val_fraction)]
+    if settings.wandb is not None:
+        cmd += ["--wandb", settings.wandb]
+    if settings.rounds is not None:
+        cmd += [f"--{ROUNDS_KEY}", str(settings.rounds)]
+    cmd += override_args(overrides) + list(settings.fit_args)
+    if (run_dir / "checkpoints" / "last.ckpt").exists():
+        cmd += ["--ckpt_path", "last"]
+    return cmd
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a run that ran every planned round (None otherwise)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1) else None
+
+
+def _error_line(log: Path) -> str:
+    """The last ``error:`` line of a fit log (or its last line)."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or ["empty log"])[-1]
+
+
+def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """Run (or resume, or skip when finished) one trial run; returns its exit status and summary."""
+    summary = _finished(run_dir)
+    if summary is not None:
+        return 0, summary
+    if not (run_dir / "checkpoints" / "last.ckpt").exists() and run_files(run_dir):
+        # a run stopped before its first checkpoint: start it again in a clean directory
+        stale = run_dir.with_name(f"{run_dir.name}.stale-{int(time.time())}")
+        run_dir.rename(stale)
+        logger.info("moved the unfinished run without a checkpoint to %s", stale)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = fit_command(settings, run_dir, seed, overrides)
+    env = {**os.environ}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logger.info("%s", " ".join(cmd))
+    start = time.perf_counter()
+    with open(run_dir / "fit.log", "a") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wall = time.perf_counter() - start
+    (run_dir / "harness.json").write_text(json.dumps({"command": cmd, "returncode": proc.returncode,
+                                                      "wall_seconds": wall}, indent=1))
+    return proc.returncode, _finished(run_dir) if proc.returncode == 0 else None
+
+
+def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    """Every seed's run of trial ``number``; the objective (None when a run failed) and notes."""
+    values, notes = [], {"run_dirs": [], "rounds_run": []}
+    for seed in settings.seeds:
+        run_dir = settings.run_dir(number, seed)
+        code, summary = run_fit(settings, run_dir, seed, overrides)
+        notes["run_dirs"].append(str(run_dir))
+        if code != 0 or summary is None:
+            notes["error"] = f"exit status {code}: {_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
+            return None, notes
+        try:
+            values.append(objective_value(summary, settings.terms, settings.last))
+        except ValueError as err:
+            notes["error"] = str(err)
+            return None, notes
+        notes["rounds_run"].append(summary.get("rounds_run"))
+        if summary.get("epsilon") is not None:
+            notes.setdefault("epsilon", []).append(summary["epsilon"])
+    return sum(values) / len(values), notes
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _settings(args: argparse.Namespace) -> Settings:
+    """Check the arguments (TuneError with one line) and gather them."""
+    problem = config_file_problem(args.config)
+    if problem is not None:
+        raise TuneError(problem)
+    if args.trials < 1:
+        raise TuneError(f"--trials must be >= 1, got {args.trials}")
+    if not 0 < args.val_fraction < 1:
+        raise TuneError(f"--val-fraction must be in (0, 1): trials score on data held out of the training "
+                        f"splits, got {args.val_fraction}")
+    if args.last < 1:
+        raise TuneError(f"--last must be >= 1, got {args.last}")
+    if args.rounds is not None and args.rounds < 1:
+        raise TuneError(f"--rounds must be >= 1, got {args.rounds}")
+    if any(s < 0 for s in args.seeds):
+        raise TuneError(f"--seeds must be >= 0, got {' '.join(map(str, args.seeds))}")
+    terms = parse_objective(args.objective)
+    space = load_space(args.space)
+    config = Path(args.config)
+    study_dir = Path(args.study_dir) if args.study_dir else Path("runs") / "tune" / config.stem
+    if study_dir.exists() and not study_dir.is_dir():
+        raise TuneError(f"--study-dir {study_dir} is a file")
+    name = args.study_name or study_dir.resolve().name
+    return Settings(config=config, study_dir=study_dir, study_name=name, val_fraction=float(args.val_fraction),
+                    objective=args.objective, terms=terms, last=args.last, rounds=args.rounds,
+                    seeds=list(dict.fromkeys(args.seeds)), space=space, wandb=args.wandb,
+                    fit_args=list(args.fit_args or []))
+
+
+def _sampler(seed: int, trials_so_far: int) -> Any:
+    import optuna
+
+    # a fresh seed per session: a resumed study must not draw its first trials' values again
+    return optuna.samplers.TPESampler(seed=seed + trials_so_far)
+
+
+def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
+    """Print the commands of the trials that would run; run and write nothing."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    db = settings.study_dir / "study.db"
+    existing: list[Any] = []
+    if db.exists():
+        storage = f"sqlite:///file:{db.resolve()}?mode=ro&uri=true"
+        try:
+            existing = optuna.load_study(study_name=settings.study_name, storage=storage).trials
+        except Exception as err:  # noqa: BLE001 - any storage problem: say so in one line
+            raise TuneError(f"cannot read the study {settings.study_name!r} in {db}: {' '.join(str(err).split())}") \
+                from err
+    stale = [t for t in existing if t.state == TrialState.RUNNING and "overrides" in t.user_attrs]
+    done = sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in existing)
+    for t in stale:
+        for seed in settings.seeds:
+            print_command(fit_command(settings, settings.run_dir(t.number, seed), seed, t.user_attrs["overrides"]))
+    todo = max(n_trials - done - len(stale), 0)
+    study = optuna.create_study(direction="maximize", sampler=_sampler(sampler_seed, len(existing)))
+    if not existing:
+        base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
+        if base:
+            study.enqueue_trial(base)
+    for k in range(todo):
+        trial = study.ask()
+        overrides = sample_overrides(trial, settings.space)
+        for seed in settings.seeds:
+            print_command(fit_command(settings, settings.run_dir(len(existing) + k, seed), seed, overrides))
+    if todo > 1:
+        print("# dry run: the values of later trials depend on the results of earlier ones; these are "
+              "drawn without results", file=sys.stderr)
+    return 0
+
+
+def _check_identity(study: Any, settings: Settings) -> None:
+    """Store the settings in a new study; refuse to continue a study made with other settings."""
+    identity = settings.identity()
+    stored = study.user_attrs.get("settings")
+    if stored is None:
+        study.set_user_attr("settings", identity)
+        return
+    stored = dict(stored)
+    if "config_sha256" in stored and stored.get("config") == identity["config"] \
+            and stored["config_sha256"] != identity["config_sha256"]:
+        raise TuneError(f"the config file {settings.config} changed since the study in {settings.study_dir} started; "
+                        f"use another --study-dir for the new config")
+    diff = [k for k in identity if k != "config_sha256" and stored.get(k) != identity[k]]
+    if diff:
+        shown = ", ".join(f"{k} (study: {json.dumps(stored.get(k))[:80]}, now: {json.dumps(identity[k])[:80]})"
+                          for k in diff)
+        raise TuneError(f"the study in {settings.study_dir} was run with other settings: {shown}; resume it with "
+                        f"the same options or use another --study-dir")
+
+
+def write_best(settings: Settings, study: Any) -> dict[str, Any] | None:
+    """``best.yaml`` (base config + best values + val_fraction) and ``best.json``; None without a finished trial."""
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    if not complete:
+        return None
+    best = study.best_trial
+    overrides = dict(best.user_attrs["overrides"])
+    config = yaml.safe_load(settings.config.read_text())
+    config = apply_overrides(config, {**overrides, VAL_KEY: settings.val_fraction})
+    path = settings.study_dir / "best.yaml"
+    header = (f"# Chosen by `python -m fedfdp.experiments tune` (study {settings.study_name!r}, trial {best.number} of "
+              f"{len(complete)} finished): {settings.config} with the trial's values.\n"
+              f"# Objective ({settings.objective}, mean of the last {settings.last} evaluations, validation split "
+              f"data.init_args.val_fraction = {settings.val_fraction}): {best.value:.6g}.\n"
+              + (f"# The trials were shortened to {settings.rounds} rounds (--rounds); this config keeps the "
+                 f"config's own rounds.\n" if settings.rounds is not None else ""))
+    path.write_text(header + yaml.safe_dump(config, sort_keys=False))
+    commands = []
+    for seed in settings.seeds:
+        run_dir = settings.study_dir / "best" if len(settings.seeds) == 1 else settings.study_dir / "best" / f"seed{seed}"
+        cmd = ["python", "-m", "fedfdp.fit", "--config", str(path), "--run_dir", str(run_dir),
+               "--seed_everything", str(seed), "--wandb_group", settings.study_name]
+        commands.append(cmd)
+    info = {"study": settings.study_name, "trial": best.number, "value": best.value, "objective": settings.objective,
+            "last": settings.last, "val_fraction": settings.val_fraction, "params": best.params,
+            "overrides": overrides, "run_dirs": best.user_attrs.get("run_dirs"), "trials_finished": len(complete),
+            "trials_failed": sum(t.state == TrialState.FAIL for t in study.trials),
+            "shortened_rounds": settings.rounds, "config": str(path), "commands": commands}
+    (settings.study_dir / "best.json").write_text(json.dumps(info, indent=2, default=str))
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run (or continue) the study until it holds ``--trials`` finished trials; write the best config."""
+    try:
+        settings = _settings(args)
+        if args.dry_run:
+            return _dry_run(settings, args.trials, args.sampler_seed)
+        return _run_study(settings, args.trials, args.sampler_seed)
+    except TuneError as err:
+        print(f"error: tune: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
+    import optuna
+    from optuna.trial import TrialState
+
+    settings.study_dir.mkdir(parents=True, exist_ok=True)
+    storage = f"sqlite:///{(settings.study_dir / 'study.db').resolve()}"
+    study = optuna.create_study(study_name=settings.study_name, storage=storage, direction="maximize",
+                                load_if_exists=True)
+    _check_identity(study, settings)
+    study = optuna.load_study(study_name=settings.study_name, storage=storage,
+                              sampler=_sampler(sampler_seed, len(study.trials)))
+    (settings.study_dir / "search_space.yaml").write_text(
+        (DEFAULT_SPACE_YAML if settings.space == DEFAULT_SPACE else yaml.safe_dump(settings.space, sort_keys=False)))
+    if not study.trials:
+        base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
+        if base:
+            study.enqueue_trial(base, user_attrs={"baseline": True})
+    shortened = f" (shortened study: every trial capped at {settings.rounds} rounds)" if settings.rounds else ""
+    logger.info("study %s in %s: %d finished trials, %d wanted%s", settings.study_name, settings.study_dir,
+                sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials), n_trials, shortened)
+
+    def finish(trial: optuna.trial.Trial, overrides: dict[str, Any]) -> None:
+        number = trial.number
+        value, notes = run_trial(settings, number, overrides)
+        for key, note in notes.items():
+            trial.set_user_attr(key, note)
+        if value is None:
+            study.tell(number, state=TrialState.FAIL)
+            logger.error("trial %d failed: %s", number, notes.get("error"))
+            if not any(t.state == TrialState.COMPLETE for t in study.trials):
+                raise TuneError(f"trial {number} failed and the study has no finished trial, so the setup itself "
+                                f"looks broken: {notes.get('error')}")
+        else:
+            study.tell(number, value)
+            logger.info("trial %d: %s = %.6g", number, settings.objective, value)
+
+    for t in study.trials:  # interrupted trials first, in their own run directories
+        if t.state == TrialState.RUNNING:
+            if "overrides" not in t.user_attrs:
+                study.tell(t.number, state=TrialState.FAIL)
+                continue
+            logger.info("trial %d was interrupted: finishing it from its last checkpoint", t.number)
+            # the running trial of the interrupted session, as a Trial of this one (Optuna has no public lookup)
+            finish(optuna.trial.Trial(study, t._trial_id), dict(t.user_attrs["overrides"]))  # noqa: SLF001
+    while sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials) < n_trials:
+        trial = study.ask()
+        overrides = sample_overrides(trial, settings.space)
+        trial.set_user_attr("overrides", overrides)
+        finish(trial, overrides)
+
+    info = write_best(settings, study)
+    if info is None:
+        print(f"error: tune: no trial of the study in {settings.study_dir} finished; see the trials' fit.log",
+              file=sys.stderr)
+        return 1
+    print(f"study {settings.study_name}: {info['trials_finished']} finished trials, {info['trials_failed']} failed"
+          f"{shortened}")
+    print(f"best: trial {info['trial']} ({info['run_dirs'][0] if info['run_dirs'] else ''}), {settings.objective} "
+          f"(validation, mean of the last {settings.last} evaluations) = {info['value']:.6g}")
+    print(f"params: {json.dumps(info['params'])}")
+    print(f"wrote {settings.study_dir / 'best.yaml'} and best.json; train the chosen configuration and report its "
+          f"test metrics (summary.json: accuracy, accuracy_worst, psi) with:")
+    for cmd in info["commands"]:
+        print_command(cmd)
+    if settings.rounds:
+        print(f"note: a shortened study: trials ran at most {settings.rounds} rounds; best.yaml keeps the config's "
+              f"rounds")
+    print("note: tuning is not charged to the privacy budget; ε covers one training run")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``tune`` command."""
+    p = subparsers.add_parser("tune", help="tune hyper-parameters with Optuna on validation data held out of "
+                                           "each client's training split",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="base fedfdp.fit config (e.g. configs/fmnist.yaml)")
+    p.add_argument("--trials", type=int, required=True,
+                   help="finished trials the study should hold (a resumed study runs only the missing ones)")
+    p.add_argument("--study-dir", "--study_dir", dest="study_dir", default=None,
+                   help="study folder: study.db, trial<k>/ run directories, best.yaml (default: runs/tune/<config "
+                        "name>)")
+    p.add_argument("--study-name", "--study_name", dest="study_name", default=None,
+                   help="Optuna study name and W&B group (default: the study folder's name)")
+    add_list_option(p, "--seeds", item_type=int, default=[0], help="seeds every trial runs (objective: their mean)")
+    p.add_argument("--val-fraction", "--val_fraction", dest="val_fraction", type=float, default=0.1,
+                   help="fraction of each client's training split held out for validation (default: 0.1)")
+    p.add_argument("--objective", default="val_accuracy",
+                   help="validation metric to maximise, or a weighted sum: 'val_accuracy+val_accuracy_worst', "
+                        "'val_accuracy-10*val_psi' (default: val_accuracy)")
+    p.add_argument("--last", type=int, default=5,
+                   help="the objective is the mean over this many last evaluations (default: 5)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="cap every trial at this many rounds (a shortened study for quick iteration)")
+    p.add_argument("--space", default=None, help="search space file (YAML or JSON; default: the built-in one, "
+                                                 "written to <study-dir>/search_space.yaml)")
+    p.add_argument("--sampler-seed", "--sampler_seed", dest="sampler_seed", type=int, default=0,
+                   help="seed of the TPE sampler (default: 0)")
+    p.add_argument("--wandb", default=None, choices=["auto", "online", "offline", "disabled"],
+                   help="W&B mode of the trial runs (default: fedfdp.fit's)")
+    add_dry_run(p)
+    p.add_argument("--fit-args", "--fit_args", dest="fit_args", nargs=argparse.REMAINDER, default=None,
+                   help="extra arguments passed to every fedfdp.fit call (last option)")
+    p.set_defaults(func=run)

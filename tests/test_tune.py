@@ -1,0 +1,210 @@
+"""The tuning command (``python -m fedfdp.experiments tune``) and the validation split it scores on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import optuna
+import pytest
+import torch
+import yaml
+
+from fedfdp.algorithms import FedAvg
+from fedfdp.experiments.__main__ import main
+from fedfdp.experiments.tune import objective_value, parse_objective
+from fedfdp.fit import main as fit_main
+from tests.conftest import REPO
+from tests.helpers import flat, run_federation, tiny_data
+
+TINY = REPO / "tests" / "configs" / "tiny_fedfdp.yaml"
+#: The fingerprint of tests/configs/tiny_fedfdp.yaml's partition before val_fraction existed.
+TINY_FINGERPRINT = "846520f482d61ce38ac221a73223c2679233ee44785bc7e4d223385bd0ed346a"
+
+
+def _tiny(**kwargs):
+    dm = tiny_data(num_samples=400, **kwargs)
+    dm.setup()
+    return dm
+
+
+# ---- the validation split ---------------------------------------------------------------------------
+def test_val_split_is_held_out_of_each_clients_training_split():
+    plain, held = _tiny(), _tiny(val_fraction=0.1)
+    assert held.has_validation and not plain.has_validation
+    for cid, ((tr0, te0), (tr, te), va) in enumerate(zip(plain._indices, held._indices, held._val_indices)):
+        assert np.array_equal(te, te0)  # the test split does not move
+        assert set(va) <= set(tr0) and not set(va) & set(tr) and not set(va) & set(te)
+        assert sorted({*tr, *va}) == sorted(tr0)  # train + val = the original training split
+        assert len(va) == round(0.1 * len(tr0))
+        x_val, y_val = held.client_val(cid)
+        assert len(y_val) == len(va) == held.val_sizes[cid] and len(held.client_train(cid)[1]) == len(tr)
+    x, y, cid, _ = held.pooled_raw("val")
+    assert len(y) == held.val_sizes.sum() and torch.equal(torch.bincount(cid), torch.as_tensor(held.val_sizes))
+    # seeded by the partition seed: the same again, another with another seed
+    again, other = _tiny(val_fraction=0.1), _tiny(val_fraction=0.1, partition_seed=2)
+    assert all(np.array_equal(a, b) for a, b in zip(held._val_indices, again._val_indices))
+    assert held.fingerprint() == again.fingerprint() != other.fingerprint()
+    assert held.partition_config()["val_fraction"] == 0.1 and held.fingerprint() != plain.fingerprint()
+    assert held.state_dict()["val_sizes"] == held.val_sizes.tolist()
+    with pytest.raises(RuntimeError, match="val_fraction"):
+        plain.client_val(0)
+
+
+def test_val_fraction_zero_leaves_the_partition_and_first_round_model_unchanged():
+    default, zero = _tiny(), _tiny(val_fraction=0.0)
+    assert default.fingerprint() == zero.fingerprint() == TINY_FINGERPRINT
+    assert "val_fraction" not in zero.partition_config() and "val_sizes" not in zero.state_dict()
+    models = {}
+    for name, kwargs in (("default", {}), ("zero", {"val_fraction": 0.0}), ("held", {"val_fraction": 0.1})):
+        fed, _ = run_federation(FedAvg(lr=0.1, batch_size=16), [], rounds=1, data=tiny_data(num_samples=400, **kwargs))
+        models[name] = (flat(fed.global_model), fed.last_evaluation.scalars)
+    assert torch.equal(models["default"][0], models["zero"][0])
+    assert models["default"][1] == models["zero"][1] and "val_accuracy" not in models["zero"][1]
+    assert not torch.equal(models["default"][0], models["held"][0])  # it trains on fewer samples
+    scalars = models["held"][1]
+    assert {"val_accuracy", "val_accuracy_worst", "val_psi", "val_accuracy_jain"} <= set(scalars)
+
+
+def test_bad_val_fraction_is_a_config_error():
+    from fedfdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.val_fraction must be in \[0, 1\)"):
+        tiny_data(val_fraction=1.0)
+
+
+# ---- the objective ------------------------------------------------------------------------------------
+def test_objective_reads_validation_metrics_of_the_last_evaluations_only():
+    assert parse_objective("val_accuracy+0.5*val_accuracy_worst") == [(1.0, "val_accuracy"),
+                                                                       (0.5, "val_accuracy_worst")]
+    assert parse_objective("val_accuracy - 10*val_psi") == [(1.0, "val_accuracy"), (-10.0, "val_psi")]
+    history = [{"round": r, "val_accuracy": 0.1 * r, "val_accuracy_worst": 0.05 * r, "accuracy": 0.9}
+               for r in range(1, 8)]
+    summary = {"history": history, "final": {"accuracy": 0.99}, "best_accuracy": 0.99}
+    terms = parse_objective("val_accuracy+val_accuracy_worst")
+    assert objective_value(summary, terms, 5) == pytest.approx(np.mean([0.15 * r for r in range(3, 8)]))
+    for row in history:  # changing every test metric changes nothing
+        row["accuracy"] = 0.0
+    summary["final"]["accuracy"] = summary["best_accuracy"] = 0.0
+    assert objective_value(summary, terms, 5) == pytest.approx(np.mean([0.15 * r for r in range(3, 8)]))
+    with pytest.raises(ValueError, match="val_fraction"):
+        objective_value({"history": [{"accuracy": 1.0}]}, terms, 5)
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+def _tune(study_dir, *extra):
+    return main(["tune", "--config", str(TINY), "--study-dir", str(study_dir), "--rounds", "2", *extra])
+
+
+def test_dry_run_writes_nothing(tmp_path, capsys):
+    study_dir = tmp_path / "study"
+    assert _tune(study_dir, "--trials", "2", "--dry-run") == 0
+    assert not study_dir.exists()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 2
+    for k, line in enumerate(lines):
+        assert f"--run_dir {study_dir / f'trial{k}'} " in line and "--data.init_args.val_fraction 0.1" in line
+        assert "--model.num_rounds 2" in line and "--wandb_group study" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trials", "0"], "--trials must be >= 1"),
+    (["--trials", "2", "--objective", "accuracy"], "validation metrics only"),
+    (["--trials", "2", "--objective", "val_accuracy*"], "--objective must be a sum"),
+    (["--trials", "2", "--val-fraction", "0"], "--val-fraction must be in (0, 1)"),
+    (["--trials", "2", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--trials", "2", "--space", "missing.yaml"], "--space missing.yaml cannot be read"),
+    (["--trials", "x"], "invalid int value"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
+    try:
+        code = _tune(tmp_path / "study", *args)
+    except SystemExit as exit_info:  # argparse's own errors
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "study").exists()
+
+
+def test_bad_search_space_is_a_one_line_error(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"model.algorithm.init_args.lr": {"type": "float", "low": 1.0, "high": 0.1}}))
+    assert _tune(tmp_path / "study", "--trials", "1", "--space", str(space)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: tune: search space: model.algorithm.init_args.lr") and len(err.splitlines()) == 1
+
+
+def _history_mean(run_dir, key="val_accuracy", last=5):
+    history = json.loads((run_dir / "summary.json").read_text())["history"]
+    return float(np.mean([h[key] for h in history[-last:]]))
+
+
+@pytest.mark.slow
+def test_study_scores_on_validation_resumes_and_writes_a_loadable_best_config(tmp_path, capsys):
+    study_dir = tmp_path / "study"
+    storage = f"sqlite:///{study_dir / 'study.db'}"
+    assert _tune(study_dir, "--trials", "1") == 0
+    study = optuna.load_study(study_name="study", storage=storage)
+    (first,) = study.trials
+    assert first.state.name == "COMPLETE"
+    trial0 = study_dir / "trial0"
+    assert first.value == pytest.approx(_history_mean(trial0))  # the validation metric of the run
+    summary = json.loads((trial0 / "summary.json").read_text())
+    assert summary["rounds_run"] == 2 and all("val_accuracy" in h for h in summary["history"])
+    config = yaml.safe_load((trial0 / "config.yaml").read_text())
+    assert config["data"]["init_args"]["val_fraction"] == 0.1
+    assert config["model"]["algorithm"]["init_args"]["lr"] == 1.0  # trial 0: the config's own values
+    trial0_log = (trial0 / "fit.log").read_text()
+
+    # an interrupted trial 1: asked, its run stopped after round 1 of 2 (a checkpoint, no result)
+    study = optuna.load_study(study_name="study", storage=storage)
+    trial = study.ask()
+    overrides = {"model.algorithm.init_args.lr": 0.5, "model.algorithm.init_args.local_steps": 1}
+    trial.set_user_attr("overrides", overrides)
+    from fedfdp.experiments.__main__ import build_parser
+    from fedfdp.experiments.tune import _settings as settings_of
+    from fedfdp.experiments.tune import fit_command
+
+    settings = settings_of(build_parser().parse_args(
+        ["tune", "--config", str(TINY), "--study-dir", str(study_dir), "--rounds", "2", "--trials", "2"]))
+    trial1 = study_dir / "trial1"
+    trial1.mkdir()
+    partial = fit_command(settings, trial1, 0, overrides)[3:]
+    partial[partial.index("--model.num_rounds") + 1] = "1"
+    assert fit_main(partial + ["--wandb", "disabled"]) == 0
+    assert (trial1 / "checkpoints" / "last.ckpt").exists()
+    summary1 = json.loads((trial1 / "summary.json").read_text())
+    summary1["rounds_planned"] = 2  # as a run of 2 rounds stopped after its first one would have left it
+    (trial1 / "summary.json").write_text(json.dumps(summary1))
+
+    capsys.readouterr()
+    assert _tune(study_dir, "--trials", "2") == 0
+    out = capsys.readouterr().out
+    study = optuna.load_study(study_name="study", storage=storage)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]  # 2 trials, no third
+    assert (trial0 / "fit.log").read_text() == trial0_log  # trial 0 was not run again
+    harness = json.loads((trial1 / "harness.json").read_text())
+    assert "--ckpt_path" in harness["command"]  # trial 1 resumed from its checkpoint
+    assert json.loads((trial1 / "summary.json").read_text())["rounds_run"] == 2
+    assert study.trials[1].value == pytest.approx(_history_mean(trial1))
+    assert "shortened study" in out and "not charged to the privacy budget" in out
+
+    # best.yaml: the config with the best values and the same validation split; it loads
+    best = study.best_trial
+    best_yaml = study_dir / "best.yaml"
+    info = json.loads((study_dir / "best.json").read_text())
+    assert info["trial"] == best.number and info["value"] == pytest.approx(best.value)
+    assert f"--config {best_yaml}" in out
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        fit_main(["--config", str(best_yaml), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["init_args"]["val_fraction"] == 0.1
+    assert printed["model"]["algorithm"]["init_args"]["lr"] == pytest.approx(
+        best.user_attrs["overrides"]["model.algorithm.init_args.lr"])
+
+    # the study is tied to its settings
+    assert _tune(study_dir, "--trials", "3", "--objective", "val_accuracy_worst") == 2
+    assert "other settings: objective" in capsys.readouterr().err
