@@ -55,7 +55,7 @@ class MembershipInferenceAudit(FederationCallback):
                     metrics: dict[str, Any]) -> None:
         """Score members vs non-members by ``−loss`` of the global model; log AUC and advantage."""
         x, y, member = self._records(federation)
-        model = federation.global_model
+        model = federation.released_model  # the model the run outputs (the weight average with ema_decay)
         was_training = model.training
         model.eval()
         step, dev = self.eval_batch_size, federation.device

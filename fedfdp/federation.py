@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch.nn.utils import parameters_to_vector
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.base import FederationCallback
@@ -94,6 +95,11 @@ class Federation(LightningModule):
         stacked_max_batch: samples per engine pass of a stacked round (groups of whole clients);
             null: 512 on CPU (larger batches leave the cache and cost more per sample), in effect
             the whole union on accelerators.
+        ema_decay: keep an exponential moving average of the global weights,
+            ``w̄_t = β w̄_{t-1} + (1 − β) w_t`` (``w̄_1 = w_1``), and evaluate, report and
+            checkpoint it as the run's model (De et al. 2022). Training continues from ``w_t``.
+            The average is post-processing of the released global models: no extra ε.
+            null: no average.
     """
 
     def __init__(self, client: ClientModule, algorithm: Algorithm, *, num_rounds: int | None = 100,
@@ -101,7 +107,7 @@ class Federation(LightningModule):
                  eval_train_every: int | None = None,
                  eval_batch_size: int | None = None, server_optimizer: OptimizerCallable = _server_sgd,
                  seed: int = 0, secure_rng: bool = False, stacked_round: bool = True,
-                 stacked_max_batch: int | None = None) -> None:
+                 stacked_max_batch: int | None = None, ema_decay: float | None = None) -> None:
         super().__init__()
         require(num_rounds is None or num_rounds >= 1, f"model.num_rounds must be >= 1 or null, got {num_rounds}")
         require(clients_per_round is None or clients_per_round >= 1,
@@ -114,11 +120,16 @@ class Federation(LightningModule):
                 f"model.eval_batch_size must be >= 1 or null, got {eval_batch_size}")
         require(stacked_max_batch is None or stacked_max_batch >= 1,
                 f"model.stacked_max_batch must be >= 1 or null, got {stacked_max_batch}")
+        require(ema_decay is None or 0.0 <= ema_decay < 1.0, f"model.ema_decay must be in [0, 1) or null, got {ema_decay}")
         if not isinstance(algorithm, Algorithm):
             raise ConfigError(f"model.algorithm must be an fedfdp.algorithms.Algorithm, got {type(algorithm).__name__}")
         self.automatic_optimization = False
         self.client = client
         self.global_model = copy.deepcopy(client.net)
+        self.ema_decay = ema_decay
+        # torch's AveragedModel: a module, so the average and its update count are in the checkpoint
+        self.global_ema = (AveragedModel(self.global_model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay),
+                                         use_buffers=True) if ema_decay is not None else None)
         self.algorithm = algorithm
         self.num_rounds = num_rounds
         self.clients_per_round = clients_per_round
@@ -140,8 +151,8 @@ class Federation(LightningModule):
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The global model's output."""
-        return self.global_model(x)
+        """The run's model's output (:attr:`released_model`)."""
+        return self.released_model(x)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """The server optimizer over ``w_t``."""
@@ -330,6 +341,8 @@ class Federation(LightningModule):
             param.grad = pseudo_grad[offset:offset + n].view_as(param).clone()
             offset += n
         optimizer.step()  # increments global_step: one round done
+        if self.global_ema is not None:
+            self.global_ema.update_parameters(self.global_model)
         if round_idx % _TRIM_EVERY == 0:
             release_freed_memory()
 
@@ -399,10 +412,11 @@ class Federation(LightningModule):
         if world > 1:  # each process evaluates a shard; torchmetrics sums the counts across processes
             x, y, cid = x[rank::world], y[rank::world], cid[rank::world]
         x, y, cid = (t.to(self.device) for t in (x, y, cid))
-        global_params = parameters_to_vector(self.global_model.parameters()).detach()
+        released = self.released_model
+        global_params = parameters_to_vector(released.parameters()).detach()
         groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
         if len(groups) == 1 and len(groups[0][0]) == self.num_clients:
-            model = self.global_model if groups[0][1] is global_params else self._load_eval(groups[0][1])
+            model = released if groups[0][1] is global_params else self._load_eval(groups[0][1])
             return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
                                        self.eval_batch_size, transform=normalize)
         totals: dict[str, torch.Tensor] = {}
@@ -415,6 +429,11 @@ class Federation(LightningModule):
         count = totals["count"].clamp(min=1)
         return {"accuracy": totals["correct"] / count, "loss": totals["loss_sum"] / count,
                 "pooled_accuracy": totals["correct"].sum() / totals["count"].sum().clamp(min=1)}
+
+    @property
+    def released_model(self) -> torch.nn.Module:
+        """The run's model: the moving average of the global weights with ``ema_decay``, else ``w_t``."""
+        return self.global_ema.module if self.global_ema is not None else self.global_model
 
     def _load_eval(self, params: torch.Tensor) -> torch.nn.Module:
         """The client's network holding ``params`` (used as a scratch evaluation model)."""

@@ -29,8 +29,8 @@ from dotted config keys (as on the ``fedfdp.fit`` command line) to a distributio
 ``{type: float, low, high, log: true}``, ``{type: int, low, high}``, ``{type: categorical,
 choices: [...]}``, or a fixed value. ``choices`` may also be a mapping of named alternatives whose
 values hold further distributions (the server optimizer: SGD with a momentum, or Adam with its
-lr). The study writes the space it uses to ``<study-dir>/search_space.yaml``. There is no
-search over an exponential moving average of the global weights: the federation has none.
+lr), and the exponential moving average of the global weights (``model.ema_decay``; null: none).
+The study writes the space it uses to ``<study-dir>/search_space.yaml``.
 
 **Rounds.** Without ``--rounds`` every trial runs the config's rounds: for the DP configs
 (``num_rounds: null``) as many as the privacy budget allows for the trial's sample rate and local
@@ -94,6 +94,7 @@ model.algorithm.init_args.lr: {type: float, low: 0.1, high: 10.0, log: true}    
 model.algorithm.init_args.max_grad_norm: {type: float, low: 0.01, high: 1.0, log: true}  # C
 model.algorithm.init_args.sample_rate: {type: float, low: 0.01, high: 0.2, log: true}    # q (rounds follow from eps)
 model.algorithm.init_args.local_steps: {type: int, low: 1, high: 4}
+model.ema_decay: {type: categorical, choices: [null, 0.9, 0.95, 0.99]}  # average of w_t (post-processing)
 model.server_optimizer:
   type: categorical
   choices:
