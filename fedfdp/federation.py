@@ -38,7 +38,7 @@ from fedfdp.metrics import EvaluationResult, eval_batch_size, evaluate_clientwis
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.seeding import RandomSource, make_generator, numpy_generator
 from fedfdp.stacked import StackedRound
-from fedfdp.types import ClientData, ClientUpdate
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
     from datamodules.federated import FederatedDataModule
@@ -297,6 +297,42 @@ class Federation(LightningModule):
         self._call("on_client_update", self.client, data, update)
         self._call("on_client_release", update)
 
+    def train_client(self, client_id: int, context: RoundContext, global_params: torch.Tensor) -> ClientUpdate:
+        """One client's local update from ``global_params`` and its release (charged before it returns).
+
+        The client's own random stream ``generator("client", t, i)``; ``on_client_update`` and
+        ``on_client_release`` run before the upload is returned. A Flower ClientApp runs exactly
+        this on its node (:mod:`fedfdp.flower.node`).
+        """
+        self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
+        data = self.client_data(client_id)
+        generator = self.generator("client", self.current_round, client_id)
+        update = self.algorithm.local_update(self.client, data, context, generator)
+        self.release_client_update(data, update)
+        return update
+
+    def train_clients(self, context: RoundContext, client_ids: list[int],
+                      global_params: torch.Tensor) -> list[ClientUpdate]:
+        """The round's uploads, in the order of ``client_ids``: local updates and releases of every client.
+
+        Stacked (one engine pass over the union of the clients' batches) where it applies, else
+        client by client; with several processes each trains its share and the uploads are
+        exchanged. A Flower deployment (:class:`fedfdp.flower.strategy.FlowerFederation`) sends
+        the clients' work to their nodes instead; a client may then be missing from the result.
+        """
+        rank, world = rank_and_world()
+        stacked = self._stacked.plan(self, context) if self.stacked_round else None
+        local: list[ClientUpdate] = []
+        if stacked is not None:  # one engine pass over the union of the clients' batches (one process)
+            local = self._stacked.run(self, stacked, client_ids, global_params)
+        else:
+            for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
+                local.append(self.train_client(cid, context, global_params))
+        # one exchange per round; afterwards every process holds every upload in client order and
+        # runs the same accounting, aggregation and server step
+        order = {cid: k for k, cid in enumerate(client_ids)}
+        return sorted(gather_updates(local), key=lambda u: order[u.client_id])
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: broadcast, local updates, privatised uploads, aggregation, evaluation."""
         start = time.perf_counter()
@@ -306,23 +342,7 @@ class Federation(LightningModule):
         self._call("on_round_start", context, client_ids)
 
         global_params = parameters_to_vector(self.global_model.parameters()).detach()
-        rank, world = rank_and_world()
-        stacked = self._stacked.plan(self, context) if self.stacked_round else None
-        local: list[ClientUpdate] = []
-        if stacked is not None:  # one engine pass over the union of the clients' batches (one process)
-            local = self._stacked.run(self, stacked, client_ids, global_params)
-        else:
-            for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
-                self.client.set_flat_params(self.algorithm.client_start_params(cid, global_params, context))
-                data = self.client_data(cid)
-                generator = self.generator("client", round_idx, cid)
-                update = self.algorithm.local_update(self.client, data, context, generator)
-                self.release_client_update(data, update)
-                local.append(update)
-        # one exchange per round; afterwards every process holds every upload in client order and
-        # runs the same accounting, aggregation and server step
-        order = {cid: k for k, cid in enumerate(client_ids)}
-        updates = sorted(gather_updates(local), key=lambda u: order[u.client_id])
+        updates = self.train_clients(context, client_ids, global_params)
         for update in updates:
             update.params = update.params.to(self.device)
             if not torch.isfinite(update.params).all() or (
@@ -369,19 +389,23 @@ class Federation(LightningModule):
         the fairness summary on it (``val_psi``, ``val_accuracy_worst``, ...), which tuning scores on.
         """
         weights = torch.as_tensor(np.asarray(self.datamodule.train_sizes), dtype=torch.float64)
-        test = self._evaluate_split("test")
-        acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
-        scalars = {"accuracy": float(test["pooled_accuracy"]), **fairness_summary(acc, loss, weights)}
-        scalars["psi_paper"] = scalars["psi"]
-        if self.evaluates_train_splits(rounds_done):
-            train = self._evaluate_split("train")
-            scalars["train_accuracy"] = float(train["pooled_accuracy"])
-            scalars["psi_train_global"] = fairness_summary(train["accuracy"].cpu(), train["loss"].cpu(),
-                                                           weights)["psi"]
+        names = ["test"] + (["train"] if self.evaluates_train_splits(rounds_done) else [])
         if self.datamodule.has_validation:  # data.val_fraction > 0: held out of the training splits (tuning)
-            val = self._evaluate_split("val")
+            names.append("val")
+        splits = self._evaluate_splits(names)
+        test = splits["test"]
+        acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
+        scalars = {"accuracy": float(test["pooled_accuracy"]), **_fairness_of_answered(acc, loss, weights)}
+        scalars["psi_paper"] = scalars["psi"]
+        if "train" in splits:
+            train = splits["train"]
+            scalars["train_accuracy"] = float(train["pooled_accuracy"])
+            scalars["psi_train_global"] = _fairness_of_answered(train["accuracy"].cpu(), train["loss"].cpu(),
+                                                                weights)["psi"]
+        if "val" in splits:
+            val = splits["val"]
             scalars["val_accuracy"] = float(val["pooled_accuracy"])
-            scalars.update(fairness_summary(val["accuracy"].cpu(), val["loss"].cpu(), weights, prefix="val_"))
+            scalars.update(_fairness_of_answered(val["accuracy"].cpu(), val["loss"].cpu(), weights, prefix="val_"))
         result = EvaluationResult(round=rounds_done, client_accuracy=acc, client_loss=loss,
                                   weights=weights, scalars=scalars)
         self.last_evaluation = result
@@ -401,6 +425,14 @@ class Federation(LightningModule):
             return False
         return (rounds_done % self.eval_train_every == 0
                 or rounds_done > self.total_rounds - _TRAIN_EVAL_TAIL * self.eval_every)
+
+    def _evaluate_splits(self, splits: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-client ``accuracy`` and ``loss`` and the ``pooled_accuracy`` of each split in ``splits``.
+
+        Here one pooled pass per split; a Flower deployment asks the nodes for all of them in one
+        message each. A client whose numbers are missing (a node that did not answer) has NaN.
+        """
+        return {split: self._evaluate_split(split) for split in splits}
 
     def _evaluate_split(self, split: str) -> dict[str, torch.Tensor]:
         """One pooled pass per evaluation model (one in total for a single global model).
@@ -479,6 +511,16 @@ def release_freed_memory() -> None:
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _fairness_of_answered(accuracy: torch.Tensor, loss: torch.Tensor, weights: torch.Tensor,
+                          prefix: str = "") -> dict[str, float]:
+    """:func:`~fedfdp.metrics.fairness_summary` over the clients with numbers (not NaN: every client
+    in simulation; in a deployment, the nodes that answered the evaluation)."""
+    answered = ~torch.isnan(accuracy)
+    if bool(answered.all()):
+        return fairness_summary(accuracy, loss, weights, prefix=prefix)
+    return fairness_summary(accuracy[answered], loss[answered], weights[answered], prefix=prefix)
 
 
 def _mean_diagnostics(updates: list[ClientUpdate]) -> dict[str, float]:

@@ -377,15 +377,18 @@ def _wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-def build_cli(args: list[str] | None = None) -> FedFDPCLI:
+def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = Federation,
+              cli_class: type[FedFDPCLI] = FedFDPCLI) -> FedFDPCLI:
     """Parse ``args`` (default ``sys.argv``) and instantiate the federation, data and trainer.
 
     ``--run_dir DIR --ckpt_path X`` without ``--config`` resumes with the run's saved
-    ``DIR/config.yaml`` (:func:`fedfdp.rundir.with_saved_config`).
+    ``DIR/config.yaml`` (:func:`fedfdp.rundir.with_saved_config`). A Flower deployment builds
+    its server (``model_class``: :class:`fedfdp.flower.strategy.FlowerFederation`) and its
+    nodes (``cli_class``: no run directory) from the same config.
     """
     args = with_saved_config(sys.argv[1:] if args is None else args)
-    return FedFDPCLI(
-        Federation, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
+    return cli_class(
+        model_class, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
         seed_everything_default=0, save_config_callback=ConfigToLoggers,
         save_config_kwargs={"overwrite": True, "config_filename": "config.yaml"},
         trainer_defaults={"max_epochs": -1, "log_every_n_steps": 1, "num_sanity_val_steps": 0,

@@ -6,6 +6,7 @@ from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.algorithms.fedfair import FedFair
 from fedfdp.algorithms.fedfdp import FedFDP
 from fedfdp.algorithms.fairagg import DPFedAvgFairAgg, FedFDPFairAgg
+from fedfdp.algorithms.adaclip import DPFedAvgAdaClip
 from fedfdp.algorithms.finp import DPFinP, FinP
 from fedfdp.algorithms.alidpfl import ALIDPFL
 from fedfdp.algorithms.client_state import ClientStateStore
@@ -20,7 +21,7 @@ from fedfdp.algorithms.kmcdpfl import KMCDPFL
 from fedfdp.algorithms.rcdpfl import RCDPFL
 
 __all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFinP",
-           "FedFDPFairAgg", "DPFedAvgFairAgg",
+           "FedFDPFairAgg", "DPFedAvgFairAgg", "DPFedAvgAdaClip",
            "ALIDPFL", "ClientStateStore", "DPDitto", "DPFedDyn", "DPFedProx", "DPQFFL", "DPScaffold",
            "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold",
            "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]

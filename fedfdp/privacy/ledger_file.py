@@ -39,18 +39,26 @@ __all__ = ["LedgerEntry", "LedgerFile"]
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """One charged release: ``event`` of kind ``kind`` made by ``client`` in round ``round``."""
+    """One charged release: ``event`` of kind ``kind`` made by ``client`` in round ``round``.
+
+    ``run`` names the run that made it where one ledger outlives runs (a Flower node's ledger,
+    :mod:`fedfdp.flower.node_ledger`); None (not written) in a run directory's ledger.
+    """
 
     round: int
     client: int
     kind: str
     event: DPEvent
+    run: str | None = None
 
     def to_json(self) -> str:
         """The entry as one JSON line (without the newline)."""
         e = self.event
-        return json.dumps({"round": self.round, "client": self.client, "kind": self.kind,
-                           "sigma": float(e.noise_multiplier), "q": float(e.sample_rate), "steps": int(e.steps)})
+        record: dict[str, Any] = {"round": self.round, "client": self.client, "kind": self.kind,
+                                  "sigma": float(e.noise_multiplier), "q": float(e.sample_rate), "steps": int(e.steps)}
+        if self.run is not None:
+            record["run"] = self.run
+        return json.dumps(record)
 
     @classmethod
     def from_json(cls, line: str) -> LedgerEntry:
@@ -58,7 +66,8 @@ class LedgerEntry:
         d: dict[str, Any] = json.loads(line)
         return cls(round=int(d["round"]), client=int(d["client"]), kind=str(d["kind"]),
                    event=DPEvent(noise_multiplier=float(d["sigma"]), sample_rate=float(d["q"]),
-                                 steps=int(d["steps"])))
+                                 steps=int(d["steps"])),
+                   run=None if d.get("run") is None else str(d["run"]))
 
 
 class LedgerFile:

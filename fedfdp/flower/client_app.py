@@ -1,0 +1,81 @@
+"""The Flower ClientApp: one fedfdp client on its SuperNode (``fedfdp.flower.client_app:app``).
+
+Flower starts one ClientApp process per message, so every message rebuilds the client from the
+run's config (:class:`fedfdp.flower.node.NodeClient`) and its state lives in files on the node:
+the client's privacy ledger (``ledger-dir``). Handlers:
+
+* ``query``: describe the node (partition, data sizes, own target ε and spent ε);
+* ``train``: refuse (budget) or run the round's local update and releases, charge them to the
+  ledger (fsynced), and only then return the upload;
+* ``evaluate``: the run's model on the client's own test (and train, validation) split.
+
+A configuration or data problem on the node raises, which Flower turns into an error reply that
+the server logs with the node's one-line reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedfdp.flower import protocol
+
+logger = logging.getLogger(__name__)
+
+app = ClientApp()
+
+
+def _node(message: Message, context: Context):  # type: ignore[no-untyped-def]
+    """The client of this node for the run's config (heavy imports happen here, per message)."""
+    from fedfdp.fit import _configure_logging
+    from fedfdp.flower.node import NodeClient, NodeSettings
+
+    _configure_logging()
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter")  # the node's own command line
+    settings = NodeSettings.from_node_config(context.node_config)
+    return NodeClient(protocol.config_of(message.content), settings, run=str(context.run_id))
+
+
+@app.query()
+def query(message: Message, context: Context) -> Message:
+    """Describe this node's client to the server."""
+    node = _node(message, context)
+    try:
+        return Message(protocol.encode_node(node.describe()), reply_to=message)
+    finally:
+        node.close()
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    """One round of the client: its upload (charged to its ledger first) or its refusal."""
+    node = _node(message, context)
+    try:
+        request = protocol.TrainRequest.decode(message.content)
+        if request.partition != node.client_id:
+            raise ValueError(f"message for partition {request.partition} reached the node of partition "
+                             f"{node.client_id}")
+        result = node.train(protocol.params_of(message.content), request.round, request.broadcast,
+                            request.loss_bounds)
+        if isinstance(result, str):
+            content = protocol.encode_refusal(node.client_id, result, node.ledger.epsilon())
+        else:
+            content = protocol.encode_update(result, node.ledger.epsilon())
+        return Message(content, reply_to=message)
+    finally:
+        node.close()
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """The run's model on this client's own splits."""
+    node = _node(message, context)
+    try:
+        request = protocol.EvaluateRequest.decode(message.content)
+        counts = node.evaluate(protocol.params_of(message.content), request.splits)
+        return Message(protocol.encode_evaluation(node.client_id, counts), reply_to=message)
+    finally:
+        node.close()

@@ -1,0 +1,285 @@
+"""The server's strategy in a Flower deployment: the simulation's federation, with its clients on SuperNodes.
+
+:class:`FlowerFederation` is :class:`fedfdp.Federation`, driven by the same Lightning ``Trainer``
+as a simulation: the algorithm samples and configures the clients, aggregates and steps the
+server optimizer; the federation callbacks adapt the loss bounds (``NoisyLossReporting``),
+keep the server's view of every client's ε (``RDPAccounting``), write ``metrics.csv``,
+``summary.json``, ``report.md``, checkpoints and W&B. Two things change:
+
+* :meth:`FlowerFederation.train_clients` sends each sampled client's round to the SuperNode
+  holding its partition and reads back the uploads. A client that refuses (its own budget) or
+  fails or does not answer within the round timeout is logged and left out of the round; the
+  round proceeds with the others (a round with no upload at all stops the run).
+* :meth:`FlowerFederation._evaluate_splits` asks every node to evaluate the run's model on its
+  own splits; the server never holds client data (:class:`RemoteClients` stands in for the
+  datamodule: sizes only).
+
+The server's ε is what the clients declared with their uploads; each client's own ledger, on its
+node, is the one that counts (:mod:`fedfdp.flower.node_ledger`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Message
+from flwr.serverapp import Grid
+from torch.nn.utils import parameters_to_vector
+
+from callbacks.accounting import RDPAccounting
+from callbacks.base import FederationCallback
+from callbacks.cluster_metrics import ClusterMetrics
+from callbacks.mia import MembershipInferenceAudit
+from callbacks.sia import SourceInferenceAudit
+from datamodules.federated import FederatedDataModule
+from fedfdp.algorithms.base import Algorithm
+from fedfdp.errors import ConfigError, FedFDPError
+from fedfdp.federation import Federation
+from fedfdp.flower import protocol
+from fedfdp.flower.protocol import NodeDescription, Refusal
+from fedfdp.types import ClientUpdate, RoundContext
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FlowerFederation", "RemoteClients", "check_deployable", "exchange"]
+
+#: Callbacks that read every client's data on the server (audits of a simulation).
+SIMULATION_ONLY_CALLBACKS: tuple[type[FederationCallback], ...] = (MembershipInferenceAudit, SourceInferenceAudit,
+                                                                   ClusterMetrics)
+
+
+def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
+    """Refuse, with one line, an algorithm or callback that cannot run with its clients on nodes.
+
+    A ClientApp lives for one message, so an algorithm whose local update keeps per-client state
+    between rounds (``supports_distributed = False``: SCAFFOLD, FedDyn, Ditto, q-FFL, ALI-DPFL,
+    FinP, the clustered family) has nowhere to keep it; audits that read every client's data on
+    the server have no data there.
+    """
+    if not algorithm.supports_distributed:
+        raise ConfigError(f"{type(algorithm).__name__} keeps per-client state between rounds inside the local update; "
+                          f"the Flower deployment cannot run it yet (run it with python -m fedfdp.fit)")
+    for cb in callbacks:
+        if isinstance(cb, SIMULATION_ONLY_CALLBACKS) or (isinstance(cb, FederationCallback)
+                                                        and not cb.supports_distributed):
+            raise ConfigError(f"callbacks.{type(cb).__name__} reads every client's data on the server and cannot run "
+                              f"in a Flower deployment; remove it from trainer.callbacks")
+
+
+def exchange(grid: Grid, messages: list[Message], *, timeout: float, straggler_timeout: float | None = None,
+             poll: float = 0.5) -> list[Message]:
+    """Push ``messages`` and pull their replies every ``poll`` seconds until all arrived or time is up.
+
+    Time is up ``timeout`` seconds after the push, or ``straggler_timeout`` seconds after the first
+    reply. (Flower's ``Grid.send_and_receive`` polls every 3 s and has no straggler limit.)
+    """
+    pending = set(grid.push_messages(messages))
+    start = time.monotonic()
+    deadline = start + timeout
+    replies: list[Message] = []
+    while pending and time.monotonic() < deadline:
+        arrived = list(grid.pull_messages(pending))
+        if arrived and not replies and straggler_timeout is not None:
+            deadline = min(deadline, time.monotonic() + straggler_timeout)
+        replies.extend(arrived)
+        pending -= {reply.metadata.reply_to_message_id for reply in arrived}
+        if pending:
+            time.sleep(poll)
+    return replies
+
+
+class RemoteClients(FederatedDataModule):
+    """The server's view of the clients' data in a deployment: the sizes the nodes reported, no samples.
+
+    Args:
+        configured: the config's datamodule (constructed, never set up: it gives the number of
+            clients, classes and whether a validation split is held out).
+        nodes: each partition's description (:class:`~fedfdp.flower.protocol.NodeDescription`).
+    """
+
+    def __init__(self, configured: FederatedDataModule, nodes: dict[int, NodeDescription]) -> None:
+        super().__init__(num_clients=configured.num_clients, val_fraction=configured.val_fraction)
+        self.num_classes = configured.num_classes
+        self.nodes = dict(nodes)
+        order = range(configured.num_clients)
+        self.train_sizes = np.array([nodes[c].train_size for c in order], dtype=np.int64)
+        self.test_sizes = np.array([nodes[c].test_size for c in order], dtype=np.int64)
+        self.val_sizes = np.array([nodes[c].val_size for c in order], dtype=np.int64)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Nothing to load: the samples stay on the nodes."""
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the nodes hold a validation split out (``data.val_fraction > 0``)."""
+        return self.val_fraction > 0
+
+    def _split(self, which: int) -> Any:
+        raise RuntimeError("the clients' data stays on their nodes; the server cannot read it")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sizes the nodes reported (checkpoints)."""
+        return {"train_sizes": self.train_sizes.tolist(), "test_sizes": self.test_sizes.tolist()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to check: the nodes hold the partition."""
+
+
+class FlowerFederation(Federation):
+    """:class:`fedfdp.Federation` whose clients are Flower SuperNodes (module docstring).
+
+    Constructed from the config like :class:`~fedfdp.Federation`; :meth:`connect` gives it the
+    Flower grid and the nodes before fitting.
+    """
+
+    grid: Grid
+    nodes: dict[int, int]
+    config_text: str
+    round_timeout: float
+
+    def connect(self, grid: Grid, nodes: dict[int, int], config_text: str, round_timeout: float,
+                straggler_timeout: float | None = None) -> None:
+        """Use ``grid`` to reach ``nodes`` (partition → Flower node id) with the run's ``config_text``.
+
+        A message round waits at most ``round_timeout`` seconds, and at most ``straggler_timeout``
+        seconds after its first reply (None: no such limit).
+        """
+        self.grid = grid
+        self.nodes = dict(nodes)
+        self.config_text = config_text
+        self.round_timeout = round_timeout
+        self.straggler_timeout = straggler_timeout
+        self.dropped: set[int] = set()  # clients whose node did not answer: not asked again this run
+        self.refusals: list[tuple[int, int, str]] = []  # (round, client, reason)
+        self.client_epsilon: dict[int, float] = {}  # the ε each client last reported (its own ledger)
+        self.stacked_round = False  # each client trains on its own node
+
+    def setup(self, stage: str) -> None:
+        """The federation's setup, after refusing what cannot run on nodes."""
+        check_deployable(self.algorithm, list(self.trainer.callbacks))
+        super().setup(stage)
+
+    def _loss_bounds(self, client_id: int) -> dict[str, float]:
+        """The client's current loss-clip bound of each loss-release callback (sent with its round)."""
+        bounds: dict[str, float] = {}
+        for cb in self.federation_callbacks():
+            bound = getattr(cb, "bound", None)
+            if callable(bound) and isinstance(getattr(cb, "bounds", None), dict):
+                bounds[type(cb).__name__] = float(bound(client_id))
+        return bounds
+
+    def _exchange(self, contents: dict[int, Any], message_type: str) -> dict[int, Message]:
+        """Send each client's content to its node; the replies that came back in time, by client."""
+        targets = {cid: content for cid, content in contents.items() if cid not in self.dropped}
+        messages = [Message(content, dst_node_id=self.nodes[cid], message_type=message_type)
+                    for cid, content in targets.items()]
+        by_node = {self.nodes[cid]: cid for cid in targets}
+        replies: dict[int, Message] = {}
+        for reply in exchange(self.grid, messages, timeout=self.round_timeout, straggler_timeout=self.straggler_timeout):
+            cid = by_node.get(reply.metadata.src_node_id)
+            if cid is not None:
+                replies[cid] = reply
+        for cid in targets:
+            if cid not in replies:
+                self.dropped.add(cid)
+                logger.warning("client %d (node %d) did not answer the %s message in time (round-timeout %.0f s, "
+                               "straggler-timeout %s s): left out of this round and not asked again this run", cid,
+                               self.nodes[cid], message_type, self.round_timeout, self.straggler_timeout)
+        return replies
+
+    def train_clients(self, context: RoundContext, client_ids: list[int],
+                      global_params: torch.Tensor) -> list[ClientUpdate]:
+        """Each sampled client's round on its node; the uploads that arrived, in client order."""
+        contents = {cid: protocol.TrainRequest(round=context.round, partition=cid, config=self.config_text,
+                                               broadcast=dict(context.broadcast),
+                                               loss_bounds=self._loss_bounds(cid)).encode(global_params)
+                    for cid in client_ids}
+        replies = self._exchange(contents, protocol.TRAIN)
+        updates: list[ClientUpdate] = []
+        refused: list[str] = []
+        for cid in client_ids:
+            reply = replies.get(cid)
+            if reply is None:
+                continue
+            if reply.has_error():
+                logger.warning("round %d: client %d failed on its node: %s", context.round + 1, cid, reply.error.reason)
+                continue
+            result = protocol.decode_train_reply(reply.content)
+            self.client_epsilon[cid] = protocol.reported_epsilon(reply.content)
+            if isinstance(result, Refusal):
+                logger.warning("round %d: %s", context.round + 1, result.reason)
+                self.refusals.append((context.round, cid, result.reason))
+                refused.append(result.reason)
+                continue
+            if result.client_id != cid:
+                raise RuntimeError(f"the node of client {cid} answered for client {result.client_id}")
+            updates.append(result)
+        self._round_counts = {"clients_uploaded": float(len(updates)), "clients_refused": float(len(refused)),
+                              "clients_missing": float(len(client_ids) - len(updates) - len(refused))}
+        if not updates:
+            raise FedFDPError(f"round {context.round + 1}: no client released an update "
+                              f"({len(refused)} refused, {len(client_ids) - len(refused)} failed or did not answer)"
+                              + (f"; first refusal: {refused[0]}" if refused else ""))
+        return updates
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """The simulation's round; also logs how many clients uploaded, refused or were missing."""
+        super().training_step(batch, batch_idx)
+        for key, value in getattr(self, "_round_counts", {}).items():
+            self.log(key, value, on_step=True, on_epoch=False)
+
+    def deployment_record(self, described: dict[int, NodeDescription]) -> dict[str, Any]:
+        """Per client: its node, its own settings, the ε it reported and the server counted, refusals, drop-out."""
+        accounting = next((cb for cb in self.federation_callbacks() if isinstance(cb, RDPAccounting)), None)
+        clients = {}
+        for cid in range(self.num_clients):
+            info = described[cid]
+            clients[str(cid)] = {
+                "node_id": self.nodes[cid], "target_epsilon": info.target_epsilon, "secure_rng": info.secure_rng,
+                "epsilon_before_run": info.epsilon, "epsilon_reported": self.client_epsilon.get(cid),
+                "epsilon_server_view": accounting.client_epsilon(cid) if accounting is not None else None,
+                "refused_rounds": [r + 1 for r, c, _ in self.refusals if c == cid],
+                "dropped": cid in self.dropped}
+        try:
+            run: str | None = str(self.grid.run.run_id)
+        except Exception:  # noqa: BLE001 - a grid without a run (tests' in-process grid)
+            run = None
+        return {"run": run,
+                "refusals": [{"round": r + 1, "client": c, "reason": why} for r, c, why in self.refusals],
+                "clients": clients}
+
+    def _evaluate_splits(self, splits: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Every node evaluates the run's model on its own ``splits`` (one message each).
+
+        Clients whose node does not answer get NaN (left out of the fairness summary).
+        """
+        params = parameters_to_vector(self.released_model.parameters()).detach()
+        contents = {cid: protocol.EvaluateRequest(partition=cid, config=self.config_text,
+                                                  splits=tuple(splits)).encode(params)
+                    for cid in range(self.num_clients)}
+        replies = self._exchange(contents, protocol.EVALUATE)
+        n = self.num_clients
+        sums = {s: {k: torch.full((n,), math.nan, dtype=torch.float64) for k in ("correct", "count", "loss_sum")}
+                for s in splits}
+        for cid, reply in replies.items():
+            if reply.has_error():
+                logger.warning("evaluation: client %d failed on its node: %s", cid, reply.error.reason)
+                continue
+            client, counts = protocol.decode_evaluation(reply.content)
+            for split, (correct, count, loss_sum) in counts.items():
+                for key, value in (("correct", correct), ("count", count), ("loss_sum", loss_sum)):
+                    sums[split][key][client] = value
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for split, s in sums.items():
+            answered = ~torch.isnan(s["count"])
+            if not bool(answered.any()):
+                raise FedFDPError("evaluation: no node answered")
+            count = s["count"].clamp(min=1)
+            out[split] = {"accuracy": s["correct"] / count, "loss": s["loss_sum"] / count,
+                          "pooled_accuracy": s["correct"][answered].sum() / s["count"][answered].sum().clamp(min=1)}
+        return out

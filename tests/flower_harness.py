@@ -1,0 +1,218 @@
+"""Real Flower processes on 127.0.0.1 for the tests: a SuperLink, SuperNodes, ``flwr run``.
+
+Every process is started in its own session (process group) with a time bound, and
+:meth:`Deployment.stop` ends the groups it started (SIGTERM, then SIGKILL) — a SuperNode's
+``flower-superexec`` and ClientApp processes included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import REPO
+
+APP = REPO / "examples" / "flower_app"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_config(**values: object) -> str:
+    """``--node-config`` text: strings quoted, booleans lower-case (TOML values)."""
+    parts = []
+    for key, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else str(value)
+        parts.append(f"{key.replace('_', '-')}={text}")
+    return " ".join(parts)
+
+
+@dataclass
+class FlowerRun:
+    """One finished ``flwr run``: its id, status (``flwr ls``), output and wall time."""
+
+    run_id: str
+    status: str
+    output: str
+    seconds: float
+
+
+@dataclass
+class Deployment:
+    """A SuperLink and its SuperNodes, all children of this test process."""
+
+    root: Path
+    tls: bool = False
+    auth: bool = False
+    port: int = field(default_factory=free_port)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.home = self.root / "flwr_home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.certs = self.root / "certs"
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0",
+                    "FLWR_DISABLE_UPDATE_CHECK": "1", "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE",
+                    "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.env.pop("FEDFDP_RUN_DIR", None)
+        if self.tls:
+            self._make_certificates()
+        connection = [f'address = "127.0.0.1:{self.port}"']
+        connection.append(f'root-certificates = "{self.certs / "ca.crt"}"' if self.tls else "insecure = true")
+        (self.home / "config.toml").write_text('[superlink]\ndefault = "test"\n\n[superlink.test]\n'
+                                               + "\n".join(connection) + "\n")
+
+    # ---- certificates and keys ----------------------------------------------------------------
+    def _make_certificates(self) -> None:
+        """A CA and a server certificate for 127.0.0.1 (openssl)."""
+        c = self.certs
+        c.mkdir(parents=True, exist_ok=True)
+        run = [["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", c / "ca.key", "-out", c / "ca.crt", "-days",
+                "1", "-subj", "/CN=fedfdp test CA"],
+               ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", c / "server.key", "-out", c / "server.csr", "-subj",
+                "/CN=127.0.0.1"]]
+        (c / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run.append(["x509", "-req", "-in", c / "server.csr", "-CA", c / "ca.crt", "-CAkey", c / "ca.key",
+                    "-CAcreateserial", "-out", c / "server.pem", "-days", "1", "-extfile", c / "san.ext"])
+        for args in run:
+            subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+    def make_key(self, name: str) -> Path:
+        """An ECDSA P-384 key pair for SuperNode authentication; the private key's path."""
+        key = self.root / "keys" / name
+        key.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(key)], check=True,
+                       capture_output=True, timeout=60)
+        return key
+
+    def register(self, key: Path) -> None:
+        """``flwr supernode register KEY.pub test``."""
+        proc = self.flwr("supernode", "register", str(key) + ".pub", "test", timeout=120)
+        assert proc.returncode == 0 and "registered" in proc.stdout, proc.stdout + proc.stderr
+
+    # ---- processes ------------------------------------------------------------------------------
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(args, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_superlink(self) -> None:
+        """``flower-superlink`` on :attr:`port` (TLS and node authentication when asked)."""
+        args = [str(BIN / "flower-superlink"), "--disable-runtime-dependency-installation", "--port", str(self.port)]
+        if self.tls:
+            args += ["--ssl-ca-certfile", str(self.certs / "ca.crt"), "--ssl-certfile", str(self.certs / "server.pem"),
+                     "--ssl-keyfile", str(self.certs / "server.key")]
+        else:
+            args.append("--insecure")
+        if self.auth:
+            args.append("--enable-supernode-auth")
+        self._start("superlink", args)
+        deadline = time.monotonic() + 60
+        while "Uvicorn running" not in self.log("superlink"):
+            assert self.procs["superlink"].poll() is None, self.log("superlink")[-3000:]
+            assert time.monotonic() < deadline, "the SuperLink did not start within 60 s"
+            time.sleep(0.2)
+
+    def start_supernode(self, name: str, config: str, key: Path | None = None) -> subprocess.Popen:
+        """``flower-supernode`` with its own local port and ``--node-config config``."""
+        args = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
+                "--node-config", config]
+        args += ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else ["--insecure"]
+        if key is not None:
+            args += ["--auth-supernode-private-key", str(key)]
+        return self._start(name, args)
+
+    def log(self, name: str) -> str:
+        """What process ``name`` wrote so far."""
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def flwr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """The ``flwr`` command line with this deployment's ``FLWR_HOME``."""
+        return subprocess.run([str(BIN / "flwr"), *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    def run_app(self, run_config: str, timeout: float = 400) -> FlowerRun:
+        """``flwr run examples/flower_app test --stream --run-config ...``, then its status from ``flwr ls``.
+
+        ``flwr run --stream`` exits 0 even when the ServerApp failed: the status is what counts.
+        """
+        start = time.monotonic()
+        proc = self.flwr("run", str(APP), "test", "--stream", "--run-config", run_config, timeout=timeout)
+        seconds = time.monotonic() - start
+        output = proc.stdout + proc.stderr
+        found = re.search(r"Successfully started run (\d+)", output)
+        assert found, output[-3000:]
+        run_id = found.group(1)
+        listing = self.flwr("ls", "test", "--run-id", run_id, "--format", "json", timeout=60)
+        runs = json.loads(listing.stdout)["runs"]
+        return FlowerRun(run_id=run_id, status=runs[0]["status"], output=output, seconds=seconds)
+
+    def kill_group(self, name: str) -> None:
+        """SIGKILL process ``name`` and everything it started (its process group)."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    def processes_in_group(self, name: str, command: str) -> list[int]:
+        """Pids of the processes in ``name``'s process group whose command line contains ``command``."""
+        group = self.procs[name].pid
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry)) != group:
+                    continue
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, ProcessLookupError):
+                continue
+            if command in cmdline:
+                pids.append(int(entry))
+        return pids
+
+    def stop(self) -> None:
+        """End every process group this deployment started (SIGTERM, SIGKILL after 10 s)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():  # the groups: superexec and ClientApp processes too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait(timeout=30)
+
+
+def tools_missing() -> list[str]:
+    """The command-line tools the secure deployment needs that are not installed."""
+    return [tool for tool in ("openssl", "ssh-keygen") if shutil.which(tool) is None]
