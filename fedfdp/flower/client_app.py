@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import closing
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -42,18 +43,14 @@ def _node(message: Message, context: Context):  # type: ignore[no-untyped-def]
 @app.query()
 def query(message: Message, context: Context) -> Message:
     """Describe this node's client to the server."""
-    node = _node(message, context)
-    try:
+    with closing(_node(message, context)) as node:
         return Message(protocol.encode_node(node.describe()), reply_to=message)
-    finally:
-        node.close()
 
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """One round of the client: its upload (charged to its ledger first) or its refusal."""
-    node = _node(message, context)
-    try:
+    with closing(_node(message, context)) as node:
         request = protocol.TrainRequest.decode(message.content)
         if request.partition != node.client_id:
             raise ValueError(f"message for partition {request.partition} reached the node of partition "
@@ -65,17 +62,12 @@ def train(message: Message, context: Context) -> Message:
         else:
             content = protocol.encode_update(result, node.ledger.epsilon())
         return Message(content, reply_to=message)
-    finally:
-        node.close()
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """The run's model on this client's own splits."""
-    node = _node(message, context)
-    try:
+    with closing(_node(message, context)) as node:
         request = protocol.EvaluateRequest.decode(message.content)
         counts = node.evaluate(protocol.params_of(message.content), request.splits)
         return Message(protocol.encode_evaluation(node.client_id, counts), reply_to=message)
-    finally:
-        node.close()
