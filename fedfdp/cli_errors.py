@@ -14,6 +14,7 @@ import argparse
 import difflib
 import importlib
 import inspect
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,7 +22,10 @@ from typing import Any, NoReturn
 
 import yaml
 
-__all__ = ["OneLineErrorParser", "class_options", "closest", "config_file_problem", "config_paths", "explain_parse_error", "shipped_classes"]
+from fedfdp.errors import FedFDPError
+
+__all__ = ["OneLineErrorParser", "class_options", "closest", "config_file_problem", "config_paths", "explain_parse_error",
+           "fedfdp_cause", "lightning_config_error", "one_line", "shipped_classes"]
 
 #: Where the shipped classes of each class_path key live, and their base class.
 _SHIPPED: dict[str, tuple[str, str]] = {
@@ -282,3 +286,43 @@ def explain_parse_error(message: str, parser: Any | None = None) -> str:
                 return f"{key.group(1)}: {' '.join(detail.split())}"
             return f"{key.group(1)} must be {_expected(detail)}{got}"
     return " ".join(_NOISE.sub(" ", flat).split())
+
+
+def fedfdp_cause(err: BaseException) -> FedFDPError | None:
+    """The :class:`FedFDPError` that caused ``err`` (itself, or along its cause/context chain)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, FedFDPError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def one_line(message: str) -> str:
+    """``message`` (possibly jsonargparse's indented multi-line text) as one line."""
+    return " ".join(part.strip(" -") for part in str(message).strip().splitlines() if part.strip(" -"))
+
+
+def lightning_config_error(err: BaseException) -> str | None:
+    """Lightning's rejection of a trainer setting or of ``ckpt_path`` as one line (``None`` otherwise).
+
+    Lightning validates ``trainer.accelerator``/``devices``/``strategy``/... while building the
+    Trainer (``MisconfigurationException``, or a ``TypeError``/``ValueError`` from its accelerator
+    connector) and looks for ``ckpt_path`` only when fitting starts.
+    """
+    import traceback
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    message = one_line(str(err))
+    if isinstance(err, MisconfigurationException):
+        return f"trainer: {message}"
+    if isinstance(err, FileNotFoundError) and message.startswith("Checkpoint file not found"):
+        return f"ckpt_path: {message} (give a .ckpt file, or 'last' with the --run_dir of the run to resume)"
+    if isinstance(err, (TypeError, ValueError)):
+        frames = traceback.extract_tb(err.__traceback__)
+        if any("trainer/connectors/accelerator_connector.py" in f.filename.replace(os.sep, "/") for f in frames):
+            return f"trainer: {message}"
+    return None

@@ -36,8 +36,11 @@ from callbacks.accounting import RDPAccounting
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
-from fedfdp.cli_errors import config_file_problem, config_paths, explain_parse_error
-from fedfdp.errors import ConfigError, FedFDPError
+from fedfdp.cli_errors import (
+    config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
+)
+from fedfdp.cli_logging import configure_logging, is_launched_process
+from fedfdp.errors import ConfigError
 from fedfdp.federation import Federation
 from fedfdp.rundir import CONFIG_NAME, RunLock, check_resume, run_files, with_saved_config
 from fedfdp.runlog import RunCSVLogger
@@ -145,7 +148,7 @@ class FedFDPCLI(LightningCLI):
         config = self.config
         if config.get("run_dir"):
             return Path(config["run_dir"])
-        if _is_launched_process() and os.environ.get(_RUN_DIR_ENV):
+        if is_launched_process() and os.environ.get(_RUN_DIR_ENV):
             return Path(os.environ[_RUN_DIR_ENV])  # the directory the launching process chose
         configs = config.get("config") or []
         stem = Path(str(configs[-1])).stem if configs else "run"
@@ -164,7 +167,7 @@ class FedFDPCLI(LightningCLI):
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"cannot read {path} to check the resume: {_one_line(str(err))}") from err
+            raise ConfigError(f"cannot read {path} to check the resume: {one_line(str(err))}") from err
         known = set(self._dump(self.config))
         error: Exception | None = None
         for candidate in (raw, {k: v for k, v in raw.items() if k in known or v is not None}):
@@ -172,7 +175,7 @@ class FedFDPCLI(LightningCLI):
                 return self._dump(self.parser.parse_object(candidate))
             except Exception as err:  # jsonargparse's errors have no common base beyond Exception
                 error = err
-        raise ConfigError(f"{path} is not a configuration this version reads ({_one_line(str(error))}); "
+        raise ConfigError(f"{path} is not a configuration this version reads ({one_line(str(error))}); "
                           f"resume with the --config of the run")
 
     def _check_run_dir(self, run_dir: Path, resuming: bool, *, probe_lock: bool = True) -> None:
@@ -214,7 +217,7 @@ class FedFDPCLI(LightningCLI):
         run_dir = self._run_dir()
         resuming = self.config.get("ckpt_path") is not None
         lock: RunLock | None = None
-        if not _is_launched_process():
+        if not is_launched_process():
             self._check_run_dir(run_dir, resuming)
             lock = RunLock(run_dir).acquire()
         try:
@@ -362,11 +365,6 @@ def _hide_from_help(parser: LightningArgumentParser, keys: list[str]) -> None:
             action.help = argparse.SUPPRESS
 
 
-def _is_launched_process() -> bool:
-    """Whether this process was started by Lightning's DDP launcher for a rank other than 0."""
-    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
-
-
 def _wandb_run_id(run_dir: Path) -> str:
     """A W&B run id stored in the run directory, so a resumed run continues the same W&B run."""
     path = run_dir / "wandb_run_id"
@@ -387,6 +385,14 @@ def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = 
     nodes (``cli_class``: no run directory) from the same config.
     """
     args = with_saved_config(sys.argv[1:] if args is None else args)
+    with warnings.catch_warnings():
+        # passing the (rewritten) command line as ``args`` is deliberate: without this filter every
+        # command-line run printed LightningCLI's "args parameter is intended to run from within Python"
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+        return _make_cli(cli_class, model_class, args)
+
+
+def _make_cli(cli_class: type[FedFDPCLI], model_class: type[Federation], args: list[str]) -> FedFDPCLI:
     return cli_class(
         model_class, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
         seed_everything_default=0, save_config_callback=ConfigToLoggers,
@@ -400,79 +406,6 @@ def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = 
     )
 
 
-def _configure_logging() -> None:
-    """INFO logs of our packages on stderr (Lightning keeps its own handler), known noise filtered."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    for name in ("fedfdp", "callbacks", "datamodules"):
-        log = logging.getLogger(name)
-        if not log.handlers:
-            log.addHandler(handler)
-        # processes launched for ranks > 0 repeat rank 0's lines: they report warnings only
-        log.setLevel(logging.WARNING if _is_launched_process() else logging.INFO)
-        log.propagate = False  # a root handler installed by a dependency would print every line twice
-    # Saving the post-step state is what we want: a checkpoint at step t holds w_t after round t.
-    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
-    warnings.filterwarnings("ignore", message=".*does not have many workers")
-    # The round index is global_step, restored from the checkpoint; the rounds loader has no state.
-    warnings.filterwarnings("ignore", message=".*your dataloader is not resumable")
-    # A resume reuses its own checkpoints/ folder, checked and locked first (fedfdp.rundir): expected.
-    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
-    # An advertisement Lightning prints on every run.
-    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropAdvert) for f in lightning_log.filters):
-        lightning_log.addFilter(_DropAdvert())
-
-
-class _DropAdvert(logging.Filter):
-    """Drops Lightning's "Tip: ... try installing litlogger" line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """Keep every record but the advertisement."""
-        return "litlogger" not in str(record.msg)
-
-
-def _fedfdp_cause(err: BaseException) -> FedFDPError | None:
-    """The :class:`FedFDPError` that caused ``err`` (itself, or along its cause/context chain)."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, FedFDPError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _one_line(message: str) -> str:
-    """``message`` (possibly jsonargparse's indented multi-line text) as one line."""
-    return " ".join(part.strip(" -") for part in str(message).strip().splitlines() if part.strip(" -"))
-
-
-def _lightning_config_error(err: BaseException) -> str | None:
-    """Lightning's rejection of a trainer setting or of ``ckpt_path`` as one line (``None`` otherwise).
-
-    Lightning validates ``trainer.accelerator``/``devices``/``strategy``/... while building the
-    Trainer (``MisconfigurationException``, or a ``TypeError``/``ValueError`` from its accelerator
-    connector) and looks for ``ckpt_path`` only when fitting starts.
-    """
-    import traceback
-
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    message = _one_line(str(err))
-    if isinstance(err, MisconfigurationException):
-        return f"trainer: {message}"
-    if isinstance(err, FileNotFoundError) and message.startswith("Checkpoint file not found"):
-        return f"ckpt_path: {message} (give a .ckpt file, or 'last' with the --run_dir of the run to resume)"
-    if isinstance(err, (TypeError, ValueError)):
-        frames = traceback.extract_tb(err.__traceback__)
-        if any("trainer/connectors/accelerator_connector.py" in f.filename.replace(os.sep, "/") for f in frames):
-            return f"trainer: {message}"
-    return None
-
-
 def _finish_wandb(cli: FedFDPCLI | None, failed: bool) -> None:
     """Close the W&B run this process opened, so a later run in the same process gets its own."""
     trainer = getattr(cli, "trainer", None)
@@ -483,7 +416,7 @@ def _finish_wandb(cli: FedFDPCLI | None, failed: bool) -> None:
 
 def main(args: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (2 with one ``error:`` line for a user error)."""
-    _configure_logging()
+    configure_logging()
     argv = list(sys.argv[1:] if args is None else args)
     problem = next((p for p in map(config_file_problem, config_paths(argv)) if p), None)
     if problem is not None:
@@ -499,14 +432,14 @@ def main(args: list[str] | None = None) -> int:
     except Exception as err:
         # jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data)
         # in its own ValueError: report the FedFDPError inside, or the parse error, as one line.
-        cause = _fedfdp_cause(err)
+        cause = fedfdp_cause(err)
         if cause is not None:
-            print(f"error: {_one_line(str(cause))}", file=sys.stderr)
+            print(f"error: {one_line(str(cause))}", file=sys.stderr)
             return 2
         if type(err).__name__ == "ArgumentError":
             print(f"error: {explain_parse_error(str(err))}", file=sys.stderr)
             return 2
-        line = _lightning_config_error(err)
+        line = lightning_config_error(err)
         if line is not None:
             print(f"error: {line}", file=sys.stderr)
             return 2

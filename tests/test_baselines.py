@@ -310,3 +310,39 @@ def test_fedprox_term_reaches_the_second_plain_step():
     w2p = FedProx(mu=mu, lr=0.1, batch_size=batch).local_update(_client_at(w0), data, RoundContext(0),
                                                                torch_generator(0, "q")).params
     assert torch.allclose(w2p - w2, -0.1 * mu * (w1 - w0), atol=1e-6)
+
+
+def test_ditto_with_a_private_personal_model_charges_only_the_global_update():
+    """private_personal=False: the personal model never leaves the client, so one event per round
+    (ε equals DP-FedAvg's, DP-Ditto's default pays more), the global model is the default's bit for
+    bit (the personal phase has its own stream), and the personal models moved by plain SGD steps."""
+    alg = DPDitto(private_personal=False, personal_lr=0.05, **DP)
+    assert len(alg.planned_dp_events(0, 100)) == 1
+    kept, ref, both = RDPAccounting(), RDPAccounting(), RDPAccounting()
+    fed, _ = run_federation(alg, [kept], rounds=2)
+    dpfedavg, _ = run_federation(DPFedAvg(**DP), [ref], rounds=2)  # (its stream differs: no personal draw)
+    default, _ = run_federation(DPDitto(**DP), [both], rounds=2)
+    assert same_model(fed, default)
+    assert kept.epsilon() == pytest.approx(ref.epsilon(), rel=1e-12) and both.epsilon() > ref.epsilon() * 1.2
+    w = flat(fed.global_model)
+    assert alg.client_state.clients()
+    for cid in alg.client_state.clients():
+        v = alg.client_state.get(cid, "personal")
+        assert torch.isfinite(v).all() and not torch.equal(v, w)
+
+
+def test_ditto_private_personal_lr_is_used_and_plain_personal_needs_a_step_size():
+    with pytest.raises(ConfigError, match="personal_lr"):
+        DPDitto(private_personal=False, **DP)
+    with pytest.raises(ConfigError, match="personal_steps"):
+        DPDitto(personal_steps=3, **DP)  # private personal steps would need their own events
+    one, three = (DPDitto(private_personal=False, personal_lr=0.05, personal_steps=k, **DP) for k in (1, 3))
+    run_federation(one, acc(), rounds=1)
+    run_federation(three, acc(), rounds=1)
+    assert len(three.planned_dp_events(0, 100)) == 1 and three.planned_dp_events(0, 100)[0][1].steps == 1
+    assert not torch.equal(one.client_state.get(0, "personal"), three.client_state.get(0, "personal"))
+    a, _ = run_federation(DPDitto(personal_lr=0.5, **DP), acc(), rounds=1)
+    b, _ = run_federation(DPDitto(**DP), acc(), rounds=1)
+    assert same_model(a, b)  # the global phase is unchanged
+    pa, pb = (alg.client_state.get(0, "personal") for alg in (a.algorithm, b.algorithm))
+    assert not torch.equal(pa, pb)

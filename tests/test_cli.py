@@ -22,6 +22,7 @@ def test_end_to_end_run_writes_summary_config_and_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedfdp.fit", "--config", TINY, "--run_dir", str(run_dir)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "args parameter is intended" not in proc.stderr  # no LightningCLI warning on a plain command line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds_run"] == 2 and summary["algorithm"] == "FedFDP"
     assert 0 < summary["epsilon"] <= 10.0

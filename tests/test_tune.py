@@ -135,6 +135,32 @@ def test_bad_search_space_is_a_one_line_error(tmp_path, capsys):
     assert err.startswith("error: tune: search space: model.algorithm.init_args.lr") and len(err.splitlines()) == 1
 
 
+GRID = {"model.algorithm.init_args.lr": {"type": "categorical", "choices": [0.5, 1.0, 2.0]},
+        "model.server_optimizer": {"type": "categorical", "choices": {
+            "plain": {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0}},
+            "momentum": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.5}}}}}
+
+
+def test_grid_sampler_visits_every_point_once_and_stops_at_the_grid(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(GRID))
+    assert _tune(tmp_path / "study", "--trials", "50", "--sampler", "grid", "--space", str(space), "--dry-run") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    points = {(line.split("--model.algorithm.init_args.lr ")[1].split()[0], "momentum" in line) for line in lines}
+    assert len(lines) == 6 and points == {(lr, m) for lr in ("0.5", "1.0", "2.0") for m in (False, True)}
+    assert not any("--model.server_optimizer.momentum 0.5" in line and "--model.server_optimizer.lr 1.0" in line
+                   for line in lines)
+
+
+def test_grid_sampler_refuses_a_continuous_distribution_naming_it(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({**GRID, "model.ema_decay": {"type": "float", "low": 0.5, "high": 0.9}}))
+    assert _tune(tmp_path / "study", "--trials", "2", "--sampler", "grid", "--space", str(space)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: tune: search space: model.ema_decay: --sampler grid needs categorical choices, got type float"
+    assert not (tmp_path / "study").exists()
+
+
 def _history_mean(run_dir, key="val_accuracy", last=5):
     history = json.loads((run_dir / "summary.json").read_text())["history"]
     return float(np.mean([h[key] for h in history[-last:]]))

@@ -1,15 +1,18 @@
 """Table of complete runs (mean ± std over seeds) from their run directories.
 
-    python docs/complete_runs/tabulate.py LABEL=DIR [LABEL=DIR ...]
+    python docs/complete_runs/tabulate.py [--plot PNG] LABEL=DIR [LABEL=DIR ...]
 
 Each DIR holds ``seed<k>/`` run directories (``summary.json``, ``privacy_ledger.jsonl`` or ``.jsonl.gz``). Columns:
 final pooled / worst-client / worst-10 % accuracy, the same three as the mean over the last 5
 evaluations (one final evaluation is noisy, issue 12), Ψ, Jain, ε by RDP (the run's accountant)
 and by PRV (recomputed from the ledger with Opacus' PRVAccountant), rounds, wall time.
+``--plot PNG`` also draws worst-client against pooled accuracy (means of the last 5 evaluations),
+one point per method, error bars one standard deviation over its seeds.
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import statistics
@@ -43,7 +46,7 @@ def row(run_dir: Path) -> dict[str, float]:
 
 
 def _cell(values: list[float], digits: int) -> str:
-    if len(values) == 1:
+    if len(set(round(v, digits) for v in values)) == 1:  # one seed, or every seed alike
         return f"{values[0]:.{digits}f}"
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
@@ -54,20 +57,63 @@ HEADER = ("| method | seeds | pooled % | worst client % | worst 10 % | pooled, l
           "worst 10 %, last 5 | Ψ | Jain | ε RDP | ε PRV | rounds | wall min |")
 
 
+def plot(path: Path, methods: list[tuple[str, list[dict[str, float]]]],
+         lines: list[tuple[str, float, str]] = ()) -> None:
+    """Worst-client vs pooled accuracy (last-5 means), one point per method, ±1 std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for label, rows in methods:
+        xs, ys = [r["pooled5"] for r in rows], [r["worst5"] for r in rows]
+        std = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
+        ax.errorbar(statistics.fmean(xs), statistics.fmean(ys), xerr=std(xs), yerr=std(ys), fmt="o", capsize=3,
+                    label=f"{label} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
+    for axis, value, label in lines:  # reference lines: a paper's claim, a target
+        (ax.axvline if axis == "x" else ax.axhline)(value, ls="--", lw=1, color="grey")
+        if axis == "x":
+            ax.annotate(label, (value, 0.02), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        ha="right", va="bottom")
+        else:
+            ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=7, va="bottom")
+    ax.set_xlabel("pooled test accuracy %, mean of the last 5 evaluations")
+    ax.set_ylabel("worst-client test accuracy %, same")
+    ax.set_title("FashionMNIST, Dir(0.1), 10 clients, ε = 3.52, δ = 1e-5 (complete runs)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plot", type=Path, default=None, help="also write this PNG (worst vs pooled)")
+    parser.add_argument("--line", action="append", default=[], metavar="x|y=VALUE=LABEL",
+                        help="a dashed reference line on the plot, e.g. 'x=85.99=paper claim'")
+    parser.add_argument("methods", nargs="+", metavar="LABEL=DIR")
+    args = parser.parse_args(argv)
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
-    for spec in argv:
+    methods: list[tuple[str, list[dict[str, float]]]] = []
+    for spec in args.methods:
         label, folder = spec.split("=", 1)
         runs = sorted(p for p in Path(folder).glob("seed*") if (p / "summary.json").exists())
+        if not runs:
+            parser.error(f"{folder} holds no seed*/summary.json")
         rows = [row(p) for p in runs]
+        methods.append((label, rows))
         seeds = " ".join(p.name.removeprefix("seed") for p in runs)
         print(f"| {label} | {seeds} | " + " | ".join(_cell([r[k] for r in rows], d) for k, d in COLUMNS) + " |")
-    for spec in argv:
+    for spec in args.methods:
         for p in sorted(Path(spec.split("=", 1)[1]).glob("seed*")):
             if (p / "summary.json").exists():
                 print(f"<!-- {spec.split('=', 1)[0]} {p.name}: " + json.dumps({k: round(v, 4) for k, v in row(p).items()})
                       + " -->")
+    if args.plot is not None:
+        lines = [(a, float(v), text) for a, v, text in (spec.split("=", 2) for spec in args.line)]
+        plot(args.plot, methods, lines)
 
 
 if __name__ == "__main__":

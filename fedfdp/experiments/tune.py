@@ -4,7 +4,7 @@
 
     python -m fedfdp.experiments tune --config configs/fmnist.yaml --trials 30 [--study-dir DIR]
         [--seeds 0] [--val-fraction 0.1] [--objective val_accuracy] [--last 5] [--rounds R]
-        [--space SPACE.yaml] [--wandb MODE] [--dry-run]
+        [--space SPACE.yaml] [--sampler tpe|grid] [--wandb MODE] [--dry-run]
 
 **Validation data only.** Every trial trains with ``--data.init_args.val_fraction V`` (default
 0.1): that fraction of each client's *training* split is held out (seeded by the partition seed;
@@ -30,7 +30,13 @@ from dotted config keys (as on the ``fedfdp.fit`` command line) to a distributio
 choices: [...]}``, or a fixed value. ``choices`` may also be a mapping of named alternatives whose
 values hold further distributions (the server optimizer: SGD with a momentum, or Adam with its
 lr), and the exponential moving average of the global weights (``model.ema_decay``; null: none).
-The study writes the space it uses to ``<study-dir>/search_space.yaml``.
+The study writes the space it uses to ``<study-dir>/search_space.yaml``. The space's format and
+checks live in :mod:`fedfdp.experiments.search_space`.
+
+**Sampler.** ``--sampler tpe`` (default): Optuna's TPE, trial 0 at the config's own values.
+``--sampler grid``: every combination of an all-categorical space once, in a seeded random order
+(Optuna's GridSampler; the study stops when the grid is done): for a few expensive full-length
+trials, where TPE would spend some of them on points it has already run.
 
 **Rounds.** Without ``--rounds`` every trial runs the config's rounds: for the DP configs
 (``num_rounds: null``) as many as the privacy budget allows for the trial's sample rate and local
@@ -60,11 +66,9 @@ literature): ε covers one training run.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import subprocess
@@ -79,40 +83,20 @@ import yaml
 
 from fedfdp.cli_errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.experiments.search_space import (
+    DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
+    cli_value, load_space, override_args, sample_overrides,
+)
 from fedfdp.rundir import run_files
+
+__all__ = ["TuneError", "objective_value", "parse_objective", "register", "run"]
 
 logger = logging.getLogger(__name__)
 
-VAL_KEY = "data.init_args.val_fraction"
 ROUNDS_KEY = "model.num_rounds"
 
-#: The default search space (see the module docstring for the format).
-DEFAULT_SPACE_YAML = """\
-# Search space of `python -m fedfdp.experiments tune` (dotted config keys, as on the fedfdp.fit
-# command line). The default: a DP-SGD algorithm (FedFDP, DP-FedAvg) on FashionMNIST.
-model.algorithm.init_args.lr: {type: float, low: 0.1, high: 10.0, log: true}             # local lr
-model.algorithm.init_args.max_grad_norm: {type: float, low: 0.01, high: 1.0, log: true}  # C
-model.algorithm.init_args.sample_rate: {type: float, low: 0.01, high: 0.2, log: true}    # q (rounds follow from eps)
-model.algorithm.init_args.local_steps: {type: int, low: 1, high: 4}
-model.ema_decay: {type: categorical, choices: [null, 0.9, 0.95, 0.99]}  # average of w_t (post-processing)
-model.server_optimizer:
-  type: categorical
-  choices:
-    sgd:   # lr 1 and momentum 0 is FedAvg's average
-      class_path: torch.optim.SGD
-      init_args: {lr: 1.0, momentum: {type: float, low: 0.0, high: 0.9}}
-    adam:  # FedAdam
-      class_path: torch.optim.Adam
-      init_args: {lr: {type: float, low: 0.001, high: 0.1, log: true}}
-"""
-DEFAULT_SPACE: dict[str, Any] = yaml.safe_load(DEFAULT_SPACE_YAML)
-_KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _TERM = re.compile(r"\s*([+-])?\s*(?:(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*\*\s*)?"
                    r"([A-Za-z_]\w*)\s*")
-
-
-class TuneError(ValueError):
-    """A usage error of the tune command (reported as one ``error:`` line, exit status 2)."""
 
 
 # ---- objective -----------------------------------------------------------------------------------
@@ -158,181 +142,6 @@ def objective_value(summary: dict[str, Any], terms: Sequence[tuple[float, str]],
     return sum(sum(w * float(h[name]) for w, name in terms) for h in rows) / len(rows)
 
 
-# ---- search space --------------------------------------------------------------------------------
-def _is_distribution(spec: Any) -> bool:
-    return isinstance(spec, dict) and spec.get("type") in ("float", "int", "categorical")
-
-
-def _distribution(name: str, spec: dict[str, Any]) -> Any:
-    """The Optuna distribution of a ``{type: ...}`` spec (TuneError naming ``name`` when it is bad)."""
-    import optuna
-
-    kind = spec["type"]
-    allowed = {"float": {"type", "low", "high", "log", "step"}, "int": {"type", "low", "high", "log", "step"},
-               "categorical": {"type", "choices"}}[kind]
-    extra = sorted(set(spec) - allowed)
-    if extra:
-        raise TuneError(f"search space: {name}: unknown field(s) {', '.join(extra)} for type {kind} "
-                        f"(accepted: {', '.join(sorted(allowed))})")
-    try:
-        if kind == "categorical":
-            choices = spec.get("choices")
-            if isinstance(choices, dict):
-                if not choices:
-                    raise ValueError("choices must not be empty")
-                return optuna.distributions.CategoricalDistribution([str(k) for k in choices])
-            if not isinstance(choices, list) or not choices:
-                raise ValueError("choices must be a non-empty list or a mapping of named alternatives")
-            return optuna.distributions.CategoricalDistribution(choices)
-        if "low" not in spec or "high" not in spec:
-            raise ValueError("low and high are required")
-        cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
-        args = {"low": spec["low"], "high": spec["high"], "log": bool(spec.get("log", False))}
-        if "step" in spec:
-            args["step"] = spec["step"]
-        if kind == "int" and not all(isinstance(args[k], int) and not isinstance(args[k], bool)
-                                     for k in ("low", "high")):
-            raise ValueError("low and high must be integers")
-        if kind == "float" and not all(isinstance(args[k], (int, float)) and not isinstance(args[k], bool)
-                                       and math.isfinite(args[k]) for k in ("low", "high")):
-            raise ValueError("low and high must be finite numbers")
-        return cls(**args)
-    except (ValueError, TypeError) as err:
-        raise TuneError(f"search space: {name}: {' '.join(str(err).split())}") from err
-
-
-def _check_nested(name: str, value: Any) -> None:
-    """Validate every distribution inside a fixed value or a named alternative."""
-    if _is_distribution(value):
-        _distribution(name, value)
-        if value["type"] == "categorical" and isinstance(value["choices"], dict):
-            for choice, sub in value["choices"].items():
-                _check_nested(f"{name}.{choice}", sub)
-    elif isinstance(value, dict):
-        for key, sub in value.items():
-            _check_nested(f"{name}.{key}", sub)
-
-
-def load_space(path: str | None) -> dict[str, Any]:
-    """The search space of ``path`` (YAML or JSON), or :data:`DEFAULT_SPACE`; checked (TuneError)."""
-    if path is None:
-        space = copy.deepcopy(DEFAULT_SPACE)
-    else:
-        try:
-            space = yaml.safe_load(Path(path).read_text())
-        except (OSError, UnicodeDecodeError) as err:
-            raise TuneError(f"--space {path} cannot be read ({' '.join(str(err).split())})") from err
-        except yaml.YAMLError as err:
-            raise TuneError(f"--space {path} is not valid YAML or JSON: {str(err).splitlines()[0]}") from err
-        if not isinstance(space, dict) or not space:
-            raise TuneError(f"--space {path} must hold a non-empty mapping of dotted config keys to distributions")
-    for key, spec in space.items():
-        if not isinstance(key, str) or not _KEY.match(key):
-            raise TuneError(f"search space: {key!r} is not a dotted config key such as model.algorithm.init_args.lr")
-        if key == VAL_KEY:
-            raise TuneError(f"search space: {VAL_KEY} is set by --val-fraction (every trial must score on the same "
-                            f"validation data); leave it out of the space")
-        if key.startswith(("run_dir", "ckpt_path", "seed_everything", "config")):
-            raise TuneError(f"search space: {key} is set by the tune command, not searched")
-        _check_nested(key, spec)
-    return space
-
-
-def _resolve(trial: Any, name: str, value: Any) -> Any:
-    """``value`` with every distribution inside replaced by the trial's suggestion (named by its path)."""
-    if _is_distribution(value):
-        kind = value["type"]
-        if kind == "float":
-            return trial.suggest_float(name, value["low"], value["high"], log=bool(value.get("log", False)),
-                                       step=value.get("step"))
-        if kind == "int":
-            return trial.suggest_int(name, value["low"], value["high"], log=bool(value.get("log", False)),
-                                     step=value.get("step", 1))
-        choices = value["choices"]
-        if isinstance(choices, dict):
-            pick = trial.suggest_categorical(name, [str(k) for k in choices])
-            return _resolve(trial, f"{name}.{pick}", choices[pick])
-        return trial.suggest_categorical(name, choices)
-    if isinstance(value, dict):
-        return {k: _resolve(trial, f"{name}.{k}", v) for k, v in value.items()}
-    return value
-
-
-def sample_overrides(trial: Any, space: dict[str, Any]) -> dict[str, Any]:
-    """One trial's values: dotted config key -> value (a class_path/init_args mapping for a choice)."""
-    return {key: _resolve(trial, key, spec) for key, spec in space.items()}
-
-
-def _get_dotted(config: dict[str, Any], key: str) -> Any:
-    node: Any = config
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
-def baseline_params(config: dict[str, Any], space: dict[str, Any]) -> dict[str, Any]:
-    """The config's own values of the space's plain float/int/categorical keys that lie in their range."""
-    params: dict[str, Any] = {}
-    for key, spec in space.items():
-        if not _is_distribution(spec):
-            continue
-        value = _get_dotted(config, key)
-        if value is None or isinstance(value, bool):
-            continue
-        if spec["type"] == "categorical":
-            if isinstance(spec["choices"], list) and value in spec["choices"]:
-                params[key] = value
-        elif isinstance(value, (int, float)) and spec["low"] <= value <= spec["high"]:
-            if spec["type"] == "int" and not isinstance(value, int):
-                continue
-            params[key] = value
-    return params
-
-
-def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``config`` (a copy) with every dotted key of ``overrides`` set (a mapping replaces the node)."""
-    config = copy.deepcopy(config)
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[leaf] = copy.deepcopy(value)
-    return config
-
-
-def _cli_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return str(value)
-
-
-def override_args(overrides: dict[str, Any]) -> list[str]:
-    """``fedfdp.fit`` command-line options setting ``overrides`` (``--key value``; a class_path
-    mapping becomes ``--key CLASS --key.arg value ...``, as jsonargparse reads it)."""
-    args: list[str] = []
-    for key, value in overrides.items():
-        if isinstance(value, dict) and "class_path" in value:
-            args += [f"--{key}", str(value["class_path"])]
-            for arg, sub in (value.get("init_args") or {}).items():
-                args += [f"--{key}.{arg}", _cli_value(sub)]
-        elif isinstance(value, dict) and value:
-            args += override_args({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            args += [f"--{key}", _cli_value(value)]
-    return args
-
-
 # ---- trials --------------------------------------------------------------------------------------
 @dataclass
 class Settings:
@@ -350,13 +159,15 @@ class Settings:
     space: dict[str, Any]
     wandb: str | None
     fit_args: list[str]
+    sampler: str = "tpe"
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed study must share with the one it continues."""
         return {"config": str(self.config.resolve()),
                 "config_sha256": hashlib.sha256(self.config.read_bytes()).hexdigest(),
                 "val_fraction": self.val_fraction, "objective": self.objective, "last": self.last,
-                "rounds": self.rounds, "seeds": list(self.seeds), "space": self.space}
+                "rounds": self.rounds, "seeds": list(self.seeds), "space": self.space,
+                **({"sampler": self.sampler} if self.sampler != "tpe" else {})}
 
     def run_dir(self, number: int, seed: int) -> Path:
         base = self.study_dir / f"trial{number}"
@@ -367,7 +178,7 @@ def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[st
     """The ``fedfdp.fit`` command of one trial run (resuming its checkpoint when it has one)."""
     cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(settings.config), "--run_dir", str(run_dir),
            "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false",
-           "--wandb_group", settings.study_name, f"--{VAL_KEY}", _cli_value(settings.val_fraction)]
+           "--wandb_group", settings.study_name, f"--{VAL_KEY}", cli_value(settings.val_fraction)]
     if settings.wandb is not None:
         cmd += ["--wandb", settings.wandb]
     if settings.rounds is not None:
@@ -461,6 +272,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise TuneError(f"--seeds must be >= 0, got {' '.join(map(str, args.seeds))}")
     terms = parse_objective(args.objective)
     space = load_space(args.space)
+    if args.sampler == "grid":
+        grid_space(space)  # every distribution categorical (TuneError naming the key otherwise)
     config = Path(args.config)
     study_dir = Path(args.study_dir) if args.study_dir else Path("runs") / "tune" / config.stem
     if study_dir.exists() and not study_dir.is_dir():
@@ -469,13 +282,16 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(config=config, study_dir=study_dir, study_name=name, val_fraction=float(args.val_fraction),
                     objective=args.objective, terms=terms, last=args.last, rounds=args.rounds,
                     seeds=list(dict.fromkeys(args.seeds)), space=space, wandb=args.wandb,
-                    fit_args=list(args.fit_args or []))
+                    fit_args=list(args.fit_args or []), sampler=args.sampler)
 
 
-def _sampler(seed: int, trials_so_far: int) -> Any:
+def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int) -> Any:
     import optuna
 
     # a fresh seed per session: a resumed study must not draw its first trials' values again
+    if kind == "grid":
+        # GridSampler visits the grid in a seeded random order and skips the points the study already holds
+        return optuna.samplers.GridSampler(grid_space(space), seed=seed + trials_so_far)
     return optuna.samplers.TPESampler(seed=seed + trials_so_far)
 
 
@@ -500,8 +316,11 @@ def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
         for seed in settings.seeds:
             print_command(fit_command(settings, settings.run_dir(t.number, seed), seed, t.user_attrs["overrides"]))
     todo = max(n_trials - done - len(stale), 0)
-    study = optuna.create_study(direction="maximize", sampler=_sampler(sampler_seed, len(existing)))
-    if not existing:
+    if settings.sampler == "grid":
+        todo = min(todo, max(grid_size(settings.space) - len(existing), 0))
+    study = optuna.create_study(direction="maximize",
+                                sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(existing)))
+    if not existing and settings.sampler == "tpe":
         base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
         if base:
             study.enqueue_trial(base)
@@ -592,13 +411,17 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
                                 load_if_exists=True)
     _check_identity(study, settings)
     study = optuna.load_study(study_name=settings.study_name, storage=storage,
-                              sampler=_sampler(sampler_seed, len(study.trials)))
+                              sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(study.trials)))
     (settings.study_dir / "search_space.yaml").write_text(
         (DEFAULT_SPACE_YAML if settings.space == DEFAULT_SPACE else yaml.safe_dump(settings.space, sort_keys=False)))
-    if not study.trials:
+    if not study.trials and settings.sampler == "tpe":
         base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
         if base:
             study.enqueue_trial(base, user_attrs={"baseline": True})
+    if settings.sampler == "grid" and n_trials > grid_size(settings.space):
+        logger.info("the grid has %d points: the study stops there, not at --trials %d", grid_size(settings.space),
+                    n_trials)
+        n_trials = grid_size(settings.space)
     shortened = f" (shortened study: every trial capped at {settings.rounds} rounds)" if settings.rounds else ""
     logger.info("study %s in %s: %d finished trials, %d wanted%s", settings.study_name, settings.study_dir,
                 sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials), n_trials, shortened)
@@ -678,8 +501,11 @@ def register(subparsers: Any) -> None:
                    help="cap every trial at this many rounds (a shortened study for quick iteration)")
     p.add_argument("--space", default=None, help="search space file (YAML or JSON; default: the built-in one, "
                                                  "written to <study-dir>/search_space.yaml)")
+    p.add_argument("--sampler", default="tpe", choices=["tpe", "grid"],
+                   help="tpe: Optuna's TPE (the config's own values first); grid: every combination of a space of "
+                        "categorical choices, in a seeded random order, none twice (default: tpe)")
     p.add_argument("--sampler-seed", "--sampler_seed", dest="sampler_seed", type=int, default=0,
-                   help="seed of the TPE sampler (default: 0)")
+                   help="seed of the sampler (default: 0)")
     p.add_argument("--wandb", default=None, choices=["auto", "online", "offline", "disabled"],
                    help="W&B mode of the trial runs (default: fedfdp.fit's)")
     add_dry_run(p)

@@ -31,10 +31,10 @@ app = ClientApp()
 
 def _node(message: Message, context: Context):  # type: ignore[no-untyped-def]
     """The client of this node for the run's config (heavy imports happen here, per message)."""
-    from fedfdp.fit import _configure_logging
+    from fedfdp.cli_logging import configure_logging
     from fedfdp.flower.node import NodeClient, NodeSettings
 
-    _configure_logging()
+    configure_logging()
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter")  # the node's own command line
     settings = NodeSettings.from_node_config(context.node_config)
     return NodeClient(protocol.config_of(message.content), settings, run=str(context.run_id))

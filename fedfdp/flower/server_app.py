@@ -182,16 +182,17 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: :func:`run_server` with the run config; errors as one line."""
     from fedfdp.errors import FedFDPError
-    from fedfdp.fit import _configure_logging, _fedfdp_cause, _one_line
+    from fedfdp.cli_errors import fedfdp_cause, one_line
+    from fedfdp.cli_logging import configure_logging
 
-    _configure_logging()
+    configure_logging()
     # the ServerApp process has its own command line; the run's arguments are the run config's
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter")
     try:
         run_server(grid, ServerSettings.from_run_config(dict(context.run_config)))
     except Exception as err:
-        cause = _fedfdp_cause(err)
+        cause = fedfdp_cause(err)
         if cause is not None:
-            logger.error("error: %s", _one_line(str(cause)))
-            raise FedFDPError(_one_line(str(cause))) from None
+            logger.error("error: %s", one_line(str(cause)))
+            raise FedFDPError(one_line(str(cause))) from None
         raise

@@ -1,0 +1,63 @@
+"""The committed complete runs (docs/complete_runs): each run's ε follows from its own privacy
+ledger and stays within its target, and docs/results.md's tables are what the tabulate script
+prints from those files (the docs cannot drift from the data)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import runpy
+import shlex
+from collections import defaultdict
+
+import pytest
+
+from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from tests.conftest import REPO
+
+RUNS = sorted((REPO / "docs" / "complete_runs").glob("*/*/seed*/summary.json"))
+RESULTS = REPO / "docs" / "results.md"
+
+
+def _ledger(run_dir):
+    path = run_dir / "privacy_ledger.jsonl.gz"
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
+
+
+@pytest.mark.parametrize("summary_path", RUNS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
+def test_a_committed_runs_epsilon_is_its_ledgers_and_within_the_target(summary_path):
+    summary = json.loads(summary_path.read_text())
+    records = _ledger(summary_path.parent)
+    per_client = defaultdict(list)
+    for r in records:
+        per_client[r["client"]].append(DPEvent(noise_multiplier=r["sigma"], sample_rate=r["q"], steps=r["steps"]))
+    epsilon = max(epsilon_of(events, summary["delta"]) for events in per_client.values())
+    assert epsilon == pytest.approx(summary["epsilon"], rel=1e-9)
+    assert summary["dp_valid"] and epsilon <= summary["target_epsilon"]
+    assert max(r["round"] for r in records) + 1 == summary["rounds_run"]
+    assert all(r["sigma"] > 0 for r in records)  # every release noised
+
+
+def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeypatch, tmp_path):
+    text = RESULTS.read_text()
+    commands = [line.strip().rstrip("\\").strip() for line in text.splitlines()
+                if line.strip().startswith("python docs/complete_runs/tabulate.py")]
+    assert commands, "docs/results.md shows no tabulate command"
+    monkeypatch.chdir(REPO)
+    main = runpy.run_path(str(REPO / "docs" / "complete_runs" / "tabulate.py"))["main"]
+    for n, command in enumerate(commands):
+        argv = shlex.split(command)[2:]
+        if "--plot" in argv:  # drawn into tmp_path, not over the committed figure
+            argv[argv.index("--plot") + 1] = str(tmp_path / f"plot{n}.png")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(argv)
+        rows = [line for line in out.getvalue().splitlines() if line.startswith("| ") and "---" not in line][1:]
+        assert rows
+        for row in rows:
+            label, cells = row.split(" | ", 1)
+            assert cells in text, f"docs/results.md does not show tabulate's row for {label}"
+        if "--plot" in argv:
+            assert (tmp_path / f"plot{n}.png").stat().st_size > 10_000
