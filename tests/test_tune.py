@@ -152,6 +152,22 @@ def test_grid_sampler_visits_every_point_once_and_stops_at_the_grid(tmp_path, ca
                    for line in lines)
 
 
+@pytest.mark.slow
+def test_a_grid_study_runs_each_point_once_and_writes_the_best_config(tmp_path, capsys):
+    """Optuna's GridSampler stops a study from inside ``Study.optimize`` only; the ask-and-tell loop
+    must end after the last point by itself and still write best.yaml (it raised there once)."""
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"model.algorithm.init_args.lr": {"type": "categorical", "choices": [0.5, 1.0]}}))
+    study_dir = tmp_path / "study"
+    assert _tune(study_dir, "--trials", "5", "--sampler", "grid", "--space", str(space)) == 0
+    study = optuna.load_study(study_name="study", storage=f"sqlite:///{study_dir / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert sorted(t.params["model.algorithm.init_args.lr"] for t in study.trials) == [0.5, 1.0]
+    best = yaml.safe_load((study_dir / "best.yaml").read_text())
+    assert best["model"]["algorithm"]["init_args"]["lr"] == study.best_trial.params["model.algorithm.init_args.lr"]
+    assert "2 finished trials" in capsys.readouterr().out
+
+
 def test_grid_sampler_refuses_a_continuous_distribution_naming_it(tmp_path, capsys):
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({**GRID, "model.ema_decay": {"type": "float", "low": 0.5, "high": 0.9}}))

@@ -290,8 +290,18 @@ def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int) ->
 
     # a fresh seed per session: a resumed study must not draw its first trials' values again
     if kind == "grid":
-        # GridSampler visits the grid in a seeded random order and skips the points the study already holds
-        return optuna.samplers.GridSampler(grid_space(space), seed=seed + trials_so_far)
+        class AskTellGridSampler(optuna.samplers.GridSampler):
+            """GridSampler (a seeded random order, skipping the points the study holds) for ask-and-tell.
+
+            GridSampler ends a study with ``Study.stop()`` after its last point, which Optuna allows
+            only inside ``Study.optimize``: in this ask-and-tell loop it raised after the last value
+            was stored and before ``best.yaml`` was written. The loop stops by counting instead.
+            """
+
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                return None
+
+        return AskTellGridSampler(grid_space(space), seed=seed + trials_so_far)
     return optuna.samplers.TPESampler(seed=seed + trials_so_far)
 
 
