@@ -70,7 +70,7 @@ def plot(path: Path, methods: list[tuple[str, list[dict[str, float]]]],
         xs, ys = [r["pooled5"] for r in rows], [r["worst5"] for r in rows]
         std = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
         ax.errorbar(statistics.fmean(xs), statistics.fmean(ys), xerr=std(xs), yerr=std(ys), fmt="o", capsize=3,
-                    label=f"{label} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
+                    label=f"{label.replace('`', '')} ({len(rows)} seed{'s' if len(rows) > 1 else ''})")
     for axis, value, label in lines:  # reference lines: a paper's claim, a target
         (ax.axvline if axis == "x" else ax.axhline)(value, ls="--", lw=1, color="grey")
         if axis == "x":
