@@ -19,9 +19,8 @@ import copy
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
@@ -33,15 +32,14 @@ from callbacks.base import FederationCallback
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.distributed import gather_updates, rank_and_world
+from fedfdp.evaluation import TRAIN_EVAL_EVERY, FederationEvaluation
 from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
-from fedfdp.metrics import EvaluationResult, eval_batch_size, evaluate_clientwise, fairness_summary
+from fedfdp.memory import TRIM_EVERY, release_freed_memory
+from fedfdp.metrics import EvaluationResult, eval_batch_size
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.seeding import RandomSource, make_generator, numpy_generator
 from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
-
-if TYPE_CHECKING:
-    from datamodules.federated import FederatedDataModule
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ class _Rounds(IterableDataset):
         return iter(range(self.num_rounds))
 
 
-class Federation(LightningModule):
+class Federation(FederationEvaluation, LightningModule):
     """Federated training of ``client``'s model with ``algorithm``.
 
     Args:
@@ -135,7 +133,7 @@ class Federation(LightningModule):
         self.clients_per_round = clients_per_round
         self.eval_every = eval_every
         self.eval_train_splits = eval_train_splits
-        self.eval_train_every = eval_train_every if eval_train_every is not None else _TRAIN_EVAL_EVERY * eval_every
+        self.eval_train_every = eval_train_every if eval_train_every is not None else TRAIN_EVAL_EVERY * eval_every
         self._eval_batch_size = eval_batch_size
         self.server_optimizer = server_optimizer
         self.seed = seed
@@ -363,7 +361,7 @@ class Federation(LightningModule):
         optimizer.step()  # increments global_step: one round done
         if self.global_ema is not None:
             self.global_ema.update_parameters(self.global_model)
-        if round_idx % _TRIM_EVERY == 0:
+        if round_idx % TRIM_EVERY == 0:
             release_freed_memory()
 
         metrics: dict[str, Any] = dict(self.algorithm.on_round_end(updates, context))
@@ -382,145 +380,10 @@ class Federation(LightningModule):
                 lg.log_metrics(evaluation, step=round_idx)
             self.log("accuracy", evaluation["accuracy"], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
-    def evaluate(self, rounds_done: int) -> dict[str, float]:
-        """Each client's evaluation model on its test (and train, and validation) split; fires ``on_evaluate``.
-
-        With a validation split (``data.val_fraction > 0``) the scalars include ``val_accuracy`` and
-        the fairness summary on it (``val_psi``, ``val_accuracy_worst``, ...), which tuning scores on.
-        """
-        weights = torch.as_tensor(np.asarray(self.datamodule.train_sizes), dtype=torch.float64)
-        names = ["test"] + (["train"] if self.evaluates_train_splits(rounds_done) else [])
-        if self.datamodule.has_validation:  # data.val_fraction > 0: held out of the training splits (tuning)
-            names.append("val")
-        splits = self._evaluate_splits(names)
-        test = splits["test"]
-        acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
-        scalars = {"accuracy": float(test["pooled_accuracy"]), **_fairness_of_answered(acc, loss, weights)}
-        scalars["psi_paper"] = scalars["psi"]
-        if "train" in splits:
-            train = splits["train"]
-            scalars["train_accuracy"] = float(train["pooled_accuracy"])
-            scalars["psi_train_global"] = _fairness_of_answered(train["accuracy"].cpu(), train["loss"].cpu(),
-                                                                weights)["psi"]
-        if "val" in splits:
-            val = splits["val"]
-            scalars["val_accuracy"] = float(val["pooled_accuracy"])
-            scalars.update(_fairness_of_answered(val["accuracy"].cpu(), val["loss"].cpu(), weights, prefix="val_"))
-        result = EvaluationResult(round=rounds_done, client_accuracy=acc, client_loss=loss,
-                                  weights=weights, scalars=scalars)
-        self.last_evaluation = result
-        extra: dict[str, Any] = {}
-        self._call("on_evaluate", result, extra)
-        logger.info("round %d: accuracy %.4f psi %.4g worst-client %.4f", rounds_done, scalars["accuracy"],
-                    scalars["psi"], scalars["accuracy_worst"])
-        return {**scalars, **extra}
-
-    def evaluates_train_splits(self, rounds_done: int) -> bool:
-        """Whether the evaluation after ``rounds_done`` rounds covers the training splits.
-
-        Every ``eval_train_every`` rounds, and at each evaluation of the last
-        ``_TRAIN_EVAL_TAIL * eval_every`` rounds (the final one included).
-        """
-        if not self.eval_train_splits:
-            return False
-        return (rounds_done % self.eval_train_every == 0
-                or rounds_done > self.total_rounds - _TRAIN_EVAL_TAIL * self.eval_every)
-
-    def _evaluate_splits(self, splits: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-client ``accuracy`` and ``loss`` and the ``pooled_accuracy`` of each split in ``splits``.
-
-        Here one pooled pass per split; a Flower deployment asks the nodes for all of them in one
-        message each. A client whose numbers are missing (a node that did not answer) has NaN.
-        """
-        return {split: self._evaluate_split(split) for split in splits}
-
-    def _evaluate_split(self, split: str) -> dict[str, torch.Tensor]:
-        """One pooled pass per evaluation model (one in total for a single global model).
-
-        The pooled split is read in its stored (compact) form and normalised batch by batch.
-        """
-        x, y, cid, normalize = self.datamodule.pooled_raw(split if split in ("test", "val") else "train")
-        rank, world = rank_and_world()
-        if world > 1:  # each process evaluates a shard; torchmetrics sums the counts across processes
-            x, y, cid = x[rank::world], y[rank::world], cid[rank::world]
-        x, y, cid = (t.to(self.device) for t in (x, y, cid))
-        released = self.released_model
-        global_params = parameters_to_vector(released.parameters()).detach()
-        groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
-        if len(groups) == 1 and len(groups[0][0]) == self.num_clients:
-            model = released if groups[0][1] is global_params else self._load_eval(groups[0][1])
-            return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
-                                       self.eval_batch_size, transform=normalize)
-        totals: dict[str, torch.Tensor] = {}
-        for client_ids, params in groups:
-            mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))
-            part = evaluate_clientwise(self._load_eval(params), self.client.per_sample_loss, x[mask], y[mask],
-                                       cid[mask], self.num_clients, self.eval_batch_size, transform=normalize)
-            for key in ("correct", "count", "loss_sum"):
-                totals[key] = totals.get(key, 0) + part[key]
-        count = totals["count"].clamp(min=1)
-        return {"accuracy": totals["correct"] / count, "loss": totals["loss_sum"] / count,
-                "pooled_accuracy": totals["correct"].sum() / totals["count"].sum().clamp(min=1)}
-
-    @property
-    def released_model(self) -> torch.nn.Module:
-        """The run's model: the moving average of the global weights with ``ema_decay``, else ``w_t``."""
-        return self.global_ema.module if self.global_ema is not None else self.global_model
-
-    def _load_eval(self, params: torch.Tensor) -> torch.nn.Module:
-        """The client's network holding ``params`` (used as a scratch evaluation model)."""
-        self.client.set_flat_params(params)
-        return self.client.net
-
     @property
     def round_seconds(self) -> list[float]:
         """Wall time of each round run in this process."""
         return list(self._round_seconds)
-
-
-def _load_malloc_trim() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-        return None
-
-
-_TRAIN_EVAL_EVERY = 5
-"""Default ``eval_train_every`` in units of ``eval_every``: the training splits are 3x the test data
-(FashionMNIST's 75/25 split), so evaluating them at every evaluation costs 4x a test evaluation."""
-
-_TRAIN_EVAL_TAIL = 5
-"""The last this many evaluations always cover the training splits (the FinP tables average the
-train accuracy of the last five evaluations; the report shows the final one)."""
-
-_MALLOC_TRIM = _load_malloc_trim()
-_TRIM_EVERY = 10
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    A round allocates and frees per-sample buffers whose sizes follow the Poisson batch sizes;
-    glibc's adaptive mmap threshold then keeps those blocks in the heap, and the resident size
-    creeps up round after round (1.5 GB after 3 rounds of ``configs/fmnist.yaml``, 2.5 GB after
-    60, 3.7 GB after 683). Trimming keeps it down without
-    the page faults of a fixed mmap threshold. Every round costs about 12 % of round time (the
-    pages fault back in); every ``_TRIM_EVERY`` rounds keeps most of the saving for ~1 %.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _fairness_of_answered(accuracy: torch.Tensor, loss: torch.Tensor, weights: torch.Tensor,
-                          prefix: str = "") -> dict[str, float]:
-    """:func:`~fedfdp.metrics.fairness_summary` over the clients with numbers (not NaN: every client
-    in simulation; in a deployment, the nodes that answered the evaluation)."""
-    answered = ~torch.isnan(accuracy)
-    if bool(answered.all()):
-        return fairness_summary(accuracy, loss, weights, prefix=prefix)
-    return fairness_summary(accuracy[answered], loss[answered], weights[answered], prefix=prefix)
 
 
 def _mean_diagnostics(updates: list[ClientUpdate]) -> dict[str, float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from fedfdp.privacy.accounting import DPEvent

@@ -17,7 +17,6 @@ import time
 from collections import defaultdict
 
 import pytest
-import torch
 from lightning.pytorch import Trainer
 
 from callbacks import NoisyLossReporting, RDPAccounting

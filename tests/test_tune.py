@@ -12,7 +12,7 @@ import yaml
 
 from fedfdp.algorithms import FedAvg
 from fedfdp.experiments.__main__ import main
-from fedfdp.experiments.tune import objective_value, parse_objective
+from fedfdp.experiments.trials import objective_value, parse_objective
 from fedfdp.fit import main as fit_main
 from tests.conftest import REPO
 from tests.helpers import flat, run_federation, tiny_data
@@ -206,7 +206,7 @@ def test_study_scores_on_validation_resumes_and_writes_a_loadable_best_config(tm
     trial.set_user_attr("overrides", overrides)
     from fedfdp.experiments.__main__ import build_parser
     from fedfdp.experiments.tune import _settings as settings_of
-    from fedfdp.experiments.tune import fit_command
+    from fedfdp.experiments.trials import fit_command
 
     settings = settings_of(build_parser().parse_args(
         ["tune", "--config", str(TINY), "--study-dir", str(study_dir), "--rounds", "2", "--trials", "2"]))

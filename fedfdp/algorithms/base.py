@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from torch import Tensor
 
 from fedfdp.aggregate import weighted_mean

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from fedfdp.algorithms.base import Algorithm

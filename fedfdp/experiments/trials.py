@@ -1,0 +1,189 @@
+"""One tuning trial: a ``fedfdp.fit`` subprocess per seed, scored on validation metrics only.
+
+The study (:mod:`fedfdp.experiments.tune`) asks Optuna for a trial's values; this module turns
+them into ``fedfdp.fit`` runs (dotted command-line overrides on the base config, a held-out
+validation fraction of each client's training split, the trial's run directory; resuming its
+checkpoint when interrupted) and reads the objective back from each run's ``summary.json``: the
+mean over the last ``last`` evaluations of ``Σ weight · val_metric``. Test metrics are never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfdp.experiments.search_space import VAL_KEY, TuneError, cli_value, override_args
+from fedfdp.rundir import run_files
+
+__all__ = ["ROUNDS_KEY", "Settings", "fit_command", "objective_value", "parse_objective", "run_fit", "run_trial"]
+
+logger = logging.getLogger(__name__)
+
+ROUNDS_KEY = "model.num_rounds"
+
+_TERM = re.compile(r"\s*([+-])?\s*(?:(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*\*\s*)?"
+                   r"([A-Za-z_]\w*)\s*")
+
+
+# ---- objective -----------------------------------------------------------------------------------
+def parse_objective(text: str) -> list[tuple[float, str]]:
+    """``"val_accuracy+0.5*val_accuracy_worst"`` -> ``[(1.0, "val_accuracy"), (0.5, "val_accuracy_worst")]``.
+
+    Raises:
+        TuneError: when the text is not a signed sum of ``[weight*]metric`` terms or names a
+            metric that is not a validation metric (``val_*``).
+    """
+    terms: list[tuple[float, str]] = []
+    pos = 0
+    text = text or ""
+    while pos < len(text):
+        match = _TERM.match(text, pos)
+        if match is None or match.end() == pos or (terms and match.group(1) is None):
+            raise TuneError(f"--objective must be a sum of [weight*]metric terms such as "
+                            f"'val_accuracy+0.5*val_accuracy_worst', got {text!r}")
+        sign = -1.0 if match.group(1) == "-" else 1.0
+        terms.append((sign * float(match.group(2) or 1.0), match.group(3)))
+        pos = match.end()
+    if not terms:
+        raise TuneError("--objective needs at least one validation metric, e.g. val_accuracy")
+    bad = [name for _, name in terms if not name.startswith("val_")]
+    if bad:
+        raise TuneError(f"--objective uses validation metrics only (val_accuracy, val_accuracy_worst, val_psi, "
+                        f"...): trials must not be scored on test data, got {', '.join(bad)}")
+    return terms
+
+
+def objective_value(summary: dict[str, Any], terms: Sequence[tuple[float, str]], last: int) -> float:
+    """Mean over the last ``last`` evaluations (``summary["history"]``) of ``Σ weight · metric``.
+
+    Only the named validation metrics are read. Raises ValueError when no evaluation has them
+    (a datamodule without a validation split).
+    """
+    names = [name for _, name in terms]
+    rows = [h for h in summary.get("history") or [] if all(name in h for name in names)]
+    if not rows:
+        raise ValueError(f"summary.json has no evaluation with {', '.join(names)} (does the datamodule support "
+                         f"data.init_args.val_fraction?)")
+    rows = rows[-last:]
+    return sum(sum(w * float(h[name]) for w, name in terms) for h in rows) / len(rows)
+
+
+# ---- trials --------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    """What a study is tied to (stored in the study; a resume must give the same)."""
+
+    config: Path
+    study_dir: Path
+    study_name: str
+    val_fraction: float
+    objective: str
+    terms: list[tuple[float, str]]
+    last: int
+    rounds: int | None
+    seeds: list[int]
+    space: dict[str, Any]
+    wandb: str | None
+    fit_args: list[str]
+    sampler: str = "tpe"
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resumed study must share with the one it continues."""
+        return {"config": str(self.config.resolve()),
+                "config_sha256": hashlib.sha256(self.config.read_bytes()).hexdigest(),
+                "val_fraction": self.val_fraction, "objective": self.objective, "last": self.last,
+                "rounds": self.rounds, "seeds": list(self.seeds), "space": self.space,
+                **({"sampler": self.sampler} if self.sampler != "tpe" else {})}
+
+    def run_dir(self, number: int, seed: int) -> Path:
+        base = self.study_dir / f"trial{number}"
+        return base if len(self.seeds) == 1 else base / f"seed{seed}"
+
+
+def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> list[str]:
+    """The ``fedfdp.fit`` command of one trial run (resuming its checkpoint when it has one)."""
+    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(settings.config), "--run_dir", str(run_dir),
+           "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false",
+           "--wandb_group", settings.study_name, f"--{VAL_KEY}", cli_value(settings.val_fraction)]
+    if settings.wandb is not None:
+        cmd += ["--wandb", settings.wandb]
+    if settings.rounds is not None:
+        cmd += [f"--{ROUNDS_KEY}", str(settings.rounds)]
+    cmd += override_args(overrides) + list(settings.fit_args)
+    if (run_dir / "checkpoints" / "last.ckpt").exists():
+        cmd += ["--ckpt_path", "last"]
+    return cmd
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a run that ran every planned round (None otherwise)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1) else None
+
+
+def _error_line(log: Path) -> str:
+    """The last ``error:`` line of a fit log (or its last line)."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or ["empty log"])[-1]
+
+
+def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """Run (or resume, or skip when finished) one trial run; returns its exit status and summary."""
+    summary = _finished(run_dir)
+    if summary is not None:
+        return 0, summary
+    if not (run_dir / "checkpoints" / "last.ckpt").exists() and run_files(run_dir):
+        # a run stopped before its first checkpoint: start it again in a clean directory
+        stale = run_dir.with_name(f"{run_dir.name}.stale-{int(time.time())}")
+        run_dir.rename(stale)
+        logger.info("moved the unfinished run without a checkpoint to %s", stale)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = fit_command(settings, run_dir, seed, overrides)
+    env = {**os.environ}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    logger.info("%s", " ".join(cmd))
+    start = time.perf_counter()
+    with open(run_dir / "fit.log", "a") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wall = time.perf_counter() - start
+    (run_dir / "harness.json").write_text(json.dumps({"command": cmd, "returncode": proc.returncode,
+                                                      "wall_seconds": wall}, indent=1))
+    return proc.returncode, _finished(run_dir) if proc.returncode == 0 else None
+
+
+def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    """Every seed's run of trial ``number``; the objective (None when a run failed) and notes."""
+    values, notes = [], {"run_dirs": [], "rounds_run": []}
+    for seed in settings.seeds:
+        run_dir = settings.run_dir(number, seed)
+        code, summary = run_fit(settings, run_dir, seed, overrides)
+        notes["run_dirs"].append(str(run_dir))
+        if code != 0 or summary is None:
+            notes["error"] = f"exit status {code}: {_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
+            return None, notes
+        try:
+            values.append(objective_value(summary, settings.terms, settings.last))
+        except ValueError as err:
+            notes["error"] = str(err)
+            return None, notes
+        notes["rounds_run"].append(summary.get("rounds_run"))
+        if summary.get("epsilon") is not None:
+            notes.setdefault("epsilon", []).append(summary["epsilon"])
+    return sum(values) / len(values), notes
