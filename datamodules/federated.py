@@ -16,7 +16,6 @@ per-client loaders from :meth:`client_train` / :meth:`client_test`.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -32,104 +31,19 @@ from datamodules.partition import (
     train_test_split_indices,
     validation_split_indices,
 )
-from fedfdp.errors import ConfigError, DataError, require
+from datamodules.checks import is_int, is_real, check_fields, check_finite
+from datamodules.splits import ClientSplits, Split
+from fedfdp.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ClientSplits", "FederatedDataModule", "check_fields", "check_finite"]
 
-Split = tuple[Tensor, Tensor]
 SplitName = Literal["train", "test", "val"]
 _SPLITS: dict[str, int] = {"train": 0, "test": 1, "val": 2}
 #: Second seed word of the validation hold-out's generator ("val"): a stream of its own, so the
 #: partition and the train/test split are the same whatever ``val_fraction`` is.
 _VAL_STREAM = 0x76616C
-
-
-class ClientSplits:
-    """One split (train, test or validation) of every client, stored once and grouped by client.
-
-    ``x`` keeps the dtype it was loaded in; ``normalize`` maps a raw slice to the model's float32
-    input. A client's data is the contiguous slice ``offsets[c]:offsets[c+1]``, read on demand,
-    so nothing per client is allocated up front (10,000 clients cost 10,000 offsets).
-
-    Args:
-        x: raw samples of all clients, grouped by client.
-        y: int64 labels in the same order.
-        sizes: samples per client.
-        normalize: raw slice -> float32 model input (identity for already-normalised data).
-    """
-
-    def __init__(self, x: Tensor, y: Tensor, sizes: np.ndarray, normalize: Callable[[Tensor], Tensor]) -> None:
-        self.x, self.y, self.normalize = x, y, normalize
-        self.offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
-        if self.offsets[-1] != len(y) or len(x) != len(y):
-            raise DataError(f"client sizes sum to {self.offsets[-1]} but there are {len(x)} samples and "
-                            f"{len(y)} labels")
-
-    @classmethod
-    def from_clients(cls, splits: list[Split]) -> ClientSplits:
-        """Group already-normalised per-client ``(x, y)`` pairs (one copy, then the list can go)."""
-        sizes = np.array([len(yc) for _, yc in splits], dtype=np.int64)
-        if not splits:
-            raise DataError("no clients")
-        return cls(torch.cat([xc for xc, _ in splits]), torch.cat([yc for _, yc in splits]), sizes, _identity)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """Samples per client."""
-        return np.diff(self.offsets)
-
-    def client(self, cid: int) -> Split:
-        """Client ``cid``'s normalised ``(x, y)``."""
-        start, stop = int(self.offsets[cid]), int(self.offsets[cid + 1])
-        return self.normalize(self.x[start:stop]), self.y[start:stop]
-
-    def client_ids(self) -> Tensor:
-        """The int64 client id of every sample."""
-        return torch.repeat_interleave(torch.arange(len(self.offsets) - 1, dtype=torch.int64),
-                                       torch.from_numpy(self.sizes))
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x
-
-
-def _is_int(value: object, minimum: int) -> bool:
-    """Whether ``value`` is an integer ``>= minimum`` and not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= minimum
-
-
-def _is_real(value: object) -> bool:
-    """Whether ``value`` is a finite real number and not a bool."""
-    real = (int, float, np.integer, np.floating)
-    return isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_finite(x: np.ndarray | Tensor, where: str, unit: str = "sample") -> None:
-    """Raise DataError naming ``where`` when floating-point samples (``unit`` s: rows of ``x``) hold NaN or Inf.
-
-    Integer data (``uint8`` images) cannot hold either; float data (HAR signals, float IDX files,
-    a custom loader) must be caught at load, not blamed on the learning rate rounds later.
-    """
-    array = x.numpy() if isinstance(x, Tensor) else np.asarray(x)
-    if not np.issubdtype(array.dtype, np.floating) or len(array) == 0:
-        return
-    finite = np.isfinite(array.reshape(len(array), -1)).all(axis=1)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise DataError(f"{where}: NaN or Inf in {len(bad)} {unit}{'s' if len(bad) > 1 else ''} (first: {unit} "
-                        f"{int(bad[0])}, counting from 0); expected finite numbers")
-
-
-def check_fields(**checks: tuple[object, bool, str]) -> None:
-    """Raise ConfigError ``"data.<field> must be <accepted>, got <value>"`` for the first failed check.
-
-    Args:
-        **checks: ``field=(value, ok, accepted)`` triples, checked in order.
-    """
-    for field, (value, ok, accepted) in checks.items():
-        require(ok, f"data.{field} must be {accepted}, got {value!r}")
 
 
 class FederatedDataModule(L.LightningDataModule):
@@ -186,16 +100,16 @@ class FederatedDataModule(L.LightningDataModule):
         super().__init__()
         check_fields(
             data_dir=(data_dir, isinstance(data_dir, str) and data_dir != "", "a non-empty path"),
-            num_clients=(num_clients, _is_int(num_clients, 1), "an integer >= 1"),
+            num_clients=(num_clients, is_int(num_clients, 1), "an integer >= 1"),
             partition=(partition, partition in ("dirichlet", "iid"), "'dirichlet' or 'iid'"),
-            alpha=(alpha, _is_real(alpha) and alpha > 0, "a finite number > 0"),
-            min_size=(min_size, min_size is None or _is_int(min_size, 2), "null or an integer >= 2"),
-            train_fraction=(train_fraction, _is_real(train_fraction) and 0 < train_fraction < 1, "in (0, 1)"),
+            alpha=(alpha, is_real(alpha) and alpha > 0, "a finite number > 0"),
+            min_size=(min_size, min_size is None or is_int(min_size, 2), "null or an integer >= 2"),
+            train_fraction=(train_fraction, is_real(train_fraction) and 0 < train_fraction < 1, "in (0, 1)"),
             merge_official_splits=(
                 merge_official_splits, isinstance(merge_official_splits, bool), "true or false"
             ),
-            partition_seed=(partition_seed, _is_int(partition_seed, 0), "an integer >= 0"),
-            val_fraction=(val_fraction, _is_real(val_fraction) and 0 <= val_fraction < 1, "in [0, 1)"),
+            partition_seed=(partition_seed, is_int(partition_seed, 0), "an integer >= 0"),
+            val_fraction=(val_fraction, is_real(val_fraction) and 0 <= val_fraction < 1, "in [0, 1)"),
             download=(download, isinstance(download, bool) or download == "auto", "true, false or 'auto'"),
         )
         self.data_dir = data_dir
@@ -357,7 +271,7 @@ class FederatedDataModule(L.LightningDataModule):
     def _client(self, which: int, cid: int) -> Split:
         """Client ``cid``'s train (0), test (1) or validation (2) split after range-checking ``cid``."""
         splits = self._split(which)
-        if not _is_int(cid, 0) or cid >= self.num_clients:
+        if not is_int(cid, 0) or cid >= self.num_clients:
             raise IndexError(f"client id must be in [0, {self.num_clients}), got {cid!r}")
         return splits.client(cid)
 

@@ -12,7 +12,7 @@ import pytest
 
 from fedfdp.fit import main
 from tests.test_cli import TINY
-from tests.test_datamodules import write_dataset
+from tests.idx_files import write_dataset
 
 ALG = "--model.algorithm.init_args."
 FMNIST = ["--data", "datamodules.FashionMNISTDataModule", "--data.init_args.verify", "false",

@@ -23,7 +23,7 @@ from fedfdp.errors import ConfigError, DataError
 from fedfdp.fit import main
 from tests.conftest import REPO, SHARED_DATA
 from tests.test_cli import TINY
-from tests.test_datamodules import idx_bytes
+from tests.idx_files import idx_bytes
 
 FMNIST_CONFIG = REPO / "configs" / "fmnist.yaml"
 needs_fmnist = pytest.mark.skipif(not (SHARED_DATA / "fashion-mnist").is_dir(),

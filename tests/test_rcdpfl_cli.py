@@ -16,7 +16,7 @@ from fedfdp.experiments.__main__ import main
 from fedfdp.experiments.rcdpfl import make_config, write_table
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from tests.conftest import REPO
-from tests.test_datamodules import write_idx
+from tests.idx_files import write_idx
 
 
 

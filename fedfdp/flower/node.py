@@ -40,6 +40,7 @@ from torch.nn.utils import vector_to_parameters
 
 from callbacks.accounting import RDPAccounting
 from callbacks.base import FederationCallback
+from datamodules.checks import is_int
 from fedfdp.errors import require
 from fedfdp.federation import Federation
 from fedfdp.fit import FedFDPCLI, build_cli
@@ -78,8 +79,8 @@ class NodeSettings:
             require(key in node_config, f"node-config must set {key} (e.g. --node-config "
                                         f"\"partition-id=0 num-partitions=3\")")
         pid, num = node_config["partition-id"], node_config["num-partitions"]
-        require(_is_int(num) and num >= 1, f"node-config num-partitions must be an integer >= 1, got {num!r}")
-        require(_is_int(pid) and 0 <= pid < num, f"node-config partition-id must be an integer in [0, {num}), got {pid!r}")
+        require(is_int(num, 1), f"node-config num-partitions must be an integer >= 1, got {num!r}")
+        require(is_int(pid, 0) and pid < num, f"node-config partition-id must be an integer in [0, {num}), got {pid!r}")
         target = node_config.get("target-epsilon")
         require(target is None or (isinstance(target, (int, float)) and not isinstance(target, bool)
                                    and math.isfinite(target) and target > 0),
@@ -94,10 +95,6 @@ class NodeSettings:
                 f"node-config data-dir must be a quoted path (data-dir='/path'), got {data_dir!r}")
         return cls(partition_id=int(pid), num_partitions=int(num), ledger_dir=Path(ledger_dir).expanduser(),
                    target_epsilon=None if target is None else float(target), secure_rng=secure, data_dir=data_dir)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _NodeCLI(FedFDPCLI):
