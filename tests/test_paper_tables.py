@@ -7,7 +7,7 @@ import json
 import yaml
 
 from fedfdp.experiments.__main__ import main
-from fedfdp.experiments.paper_tables import Column, Run, apply_overrides, collect, markdown_table, plan_runs
+from fedfdp.experiments.paper_tables import Column, Run, apply_overrides, collect, execute, markdown_table, plan_runs
 from tests.conftest import REPO
 
 TINY = REPO / "tests" / "configs" / "tiny_fedfdp.yaml"
@@ -43,6 +43,17 @@ def test_aggregation_mean_std_over_seeds_and_unfinished_runs_are_left_out(tmp_pa
     assert "| FedAvg | 85.00±7.07 | 2.0e-02±1.4e-02 |" in md
     assert "| FedFDP | — | — |" in md
     assert md.splitlines()[2] == "| Method | FMNIST Acc (%) | FMNIST Ψ |"
+
+
+def test_a_run_finished_after_planning_is_not_started_again(tmp_path, monkeypatch):
+    """Two harnesses on one --out: the second must not restart (and fail on) a run the first finished."""
+    run = Run("table4", "FedAvg", "dpfedavg", Column("FMNIST", "fmnist"), 0, TINY, tmp_path / "s0")
+    _fake(run.run_dir, 0.80, 1e-2)
+    (run.run_dir / "harness.json").write_text(json.dumps({"command": ["fit"], "returncode": 0, "wall_seconds": 12.5}))
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started again")))
+    assert execute(run, None, 0, []) == (run, 0, 12.5)
+    assert json.loads((run.run_dir / "harness.json").read_text())["wall_seconds"] == 12.5
+    assert not (run.run_dir / "input_config.yaml").exists()
 
 
 def test_plan_covers_methods_columns_and_seeds(tmp_path):

@@ -65,7 +65,7 @@ def plot(path: Path, methods: list[tuple[str, list[dict[str, float]]]],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(7, 6.5))
     for label, rows in methods:
         xs, ys = [r["pooled5"] for r in rows], [r["worst5"] for r in rows]
         std = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
@@ -82,7 +82,7 @@ def plot(path: Path, methods: list[tuple[str, list[dict[str, float]]]],
     ax.set_ylabel("worst-client test accuracy %, same")
     ax.set_title("FashionMNIST, Dir(0.1), 10 clients, ε = 3.52, δ = 1e-5 (complete runs)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a point
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

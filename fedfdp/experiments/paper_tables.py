@@ -166,7 +166,17 @@ def fit_command(run: Run, extra: Sequence[str]) -> list[str]:
 
 
 def execute(run: Run, rounds: int | None, niceness: int, extra: Sequence[str]) -> tuple[Run, int, float]:
-    """Run (or resume) one fit in a subprocess; returns its exit status and wall time."""
+    """Run (or resume) one fit in a subprocess; returns its exit status and wall time.
+
+    A run that finished after the harness planned it (another harness on the same ``--out``
+    finished it meanwhile) is left as it is: starting it again would only fail on its spent
+    budget and overwrite its ``harness.json``.
+    """
+    if run.done:
+        logger.info("%s finished meanwhile: not run again", run.run_dir)
+        harness = run.run_dir / "harness.json"
+        wall = json.loads(harness.read_text()).get("wall_seconds", 0.0) if harness.exists() else 0.0
+        return run, 0, wall
     run.run_dir.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load(run.config.read_text())
     overrides = dict(run.column.overrides)
