@@ -40,7 +40,7 @@ from fedfdp.cli_errors import (
     config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
 )
 from fedfdp.cli_logging import configure_logging, is_launched_process
-from fedfdp.errors import ConfigError
+from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
 from fedfdp.rundir import CONFIG_NAME, RunLock, check_resume, run_files, with_saved_config
 from fedfdp.runlog import RunCSVLogger
@@ -116,6 +116,10 @@ class FedFDPCLI(LightningCLI):
                             help="run directory (default: runs/<config name>/<timestamp>)")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="checkpoint to resume from; 'last' resumes the run in --run_dir")
+        parser.add_argument("--checkpoint_every", type=int | None, default=None,
+                            help="write checkpoints/last.ckpt every this many rounds (default: model.eval_every). "
+                                 "A run resumed after a kill replays the rounds since its last checkpoint and "
+                                 "charges them to the privacy budget again: 1 loses the least")
         parser.add_argument("--wandb", type=WandbMode, default="auto",
                             help="W&B mode: auto (online with an API key, else offline), online, offline, disabled")
         parser.add_argument("--wandb_project", type=str, default="fedfdp", help="W&B project")
@@ -137,6 +141,8 @@ class FedFDPCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as err:
             raise ConfigError(explain_parse_error(str(err), parser)) from err
+        every = self.config.get("checkpoint_every")
+        require(every is None or every >= 1, f"checkpoint_every must be an integer >= 1 or null, got {every}")
         for key in _UNUSED_LIGHTNING_KEYS:
             if self.config.get(key) is not None:
                 raise ConfigError(f"{key} is not used by fedfdp, got {self.config[key]!r}: the clients' "
@@ -244,7 +250,7 @@ class FedFDPCLI(LightningCLI):
             if isinstance(cb, RDPAccounting) and getattr(cb, "ledger_path", None) is None:
                 cb.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
-            every = int(self.config_init["model"].eval_every)
+            every = self.config_init.get("checkpoint_every") or int(self.config_init["model"].eval_every)
             callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="round-{step}", auto_insert_metric_name=False,
                                              every_n_train_steps=every, save_last=True, save_top_k=1))
         for default in (RunSummary, ClientTableLogger):

@@ -39,7 +39,8 @@ LOCK_NAME = "run.lock"
 #: ``seed_everything``, ``trainer.callbacks`` entries, other ``trainer.*`` fields, ``optimizer``,
 #: ``lr_scheduler``) changes the run and is refused. Prefixes match their whole subtree.
 #:
-#: * ``run_dir``, ``ckpt_path``, ``config``, ``print_config``: how this invocation starts;
+#: * ``run_dir``, ``ckpt_path``, ``config``, ``print_config``, ``checkpoint_every``: how this
+#:   invocation starts and how often it saves;
 #: * ``wandb``, ``wandb_project``, ``wandb_group``, ``trainer.logger``, ``trainer.log_every_n_steps``,
 #:   ``trainer.enable_progress_bar``, ``trainer.enable_model_summary``: what is logged or shown;
 #: * ``data.init_args.data_dir``, ``data.init_args.download``, ``data.init_args.verify``: where the
@@ -49,7 +50,7 @@ LOCK_NAME = "run.lock"
 #: ``model.num_rounds`` is special: a resume may raise it (or set it to null, i.e. run until the
 #: privacy budget stops the run), which extends the run; lowering it is refused.
 HARMLESS: frozenset[str] = frozenset({
-    "run_dir", "ckpt_path", "config", "print_config",
+    "run_dir", "ckpt_path", "config", "print_config", "checkpoint_every",
     "wandb", "wandb_project", "wandb_group",
     "trainer.logger", "trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary",
     "data.init_args.data_dir", "data.init_args.download", "data.init_args.verify",

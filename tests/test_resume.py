@@ -84,7 +84,7 @@ def test_resume_refuses_every_run_changing_field(run, capsys, args, field):
 def test_resume_allows_logging_overrides_and_more_rounds(run, capsys):
     code = main(["--config", TINY, "--run_dir", str(run), "--ckpt_path", "last", ALG + "noise_multiplier", "2.0",
                  "--model.num_rounds", "3", "--trainer.log_every_n_steps", "5", "--wandb", "disabled",
-                 "--wandb_project", "other", "--trainer.enable_model_summary", "true"])
+                 "--wandb_project", "other", "--trainer.enable_model_summary", "true", "--checkpoint_every", "2"])
     assert code == 0, _errors(capsys)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds_run"] == 3 and [h["round"] for h in summary["history"]] == [1, 2, 3]
@@ -192,7 +192,8 @@ def test_divergence_in_round_one_claims_only_what_the_run_directory_holds(tmp_pa
 
 # ---- 5. run directory creation, run_dir in config.yaml --------------------------------------------
 @pytest.mark.parametrize("args", [["--data.init_args.num_clients", "500"], ["--model.clients_per_round", "9"],
-                                  [ALG + "sample_rate", "1.5"]], ids=["data", "federation", "algorithm"])
+                                  [ALG + "sample_rate", "1.5"], ["--checkpoint_every", "0"]],
+                         ids=["data", "federation", "algorithm", "checkpoint_every"])
 def test_failed_start_leaves_no_run_directory(tmp_path, capsys, args):
     run_dir = tmp_path / "new" / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir), *args]) == 2
@@ -273,3 +274,17 @@ def test_config_differences_allow_list_class_changes_and_round_rule():
     more_callbacks = {**saved, "trainer": {**saved["trainer"], "callbacks": [*saved["trainer"]["callbacks"],
                                                                               {"class_path": "E", "init_args": {}}]}}
     assert config_differences(saved, more_callbacks) == ["trainer.callbacks[1].class_path: saved <absent>, new E"]
+
+
+# ---- 6. checkpoint cadence ------------------------------------------------------------------------
+@pytest.mark.parametrize("every", [None, 1])
+def test_checkpoint_every_sets_how_many_rounds_a_killed_run_replays(tmp_path, capsys, every):
+    """Round checkpoints follow ``--checkpoint_every`` (default ``model.eval_every``): with
+    ``eval_every: 3`` a run killed after round 2 finds ``round-2.ckpt`` with ``--checkpoint_every 1``
+    and no round checkpoint without it (it would replay, and charge again, rounds 1-2)."""
+    run_dir = tmp_path / "run"
+    args = ["--config", TINY, "--run_dir", str(run_dir), ALG + "noise_multiplier", "2.0",
+            "--model.eval_every", "3", "--model.num_rounds", "2"]
+    assert main(args + (["--checkpoint_every", str(every)] if every else [])) == 0, _errors(capsys)
+    rounds = sorted(p.name for p in (run_dir / "checkpoints").glob("round-*.ckpt"))
+    assert rounds == (["round-2.ckpt"] if every == 1 else [])
