@@ -16,11 +16,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from callbacks import FederationCallback, RDPAccounting
 from fedfdp import Federation
 from fedfdp.algorithms import DPFedAvg, DPFedAvgAdaClip
-from fedfdp.algorithms.adaclip import (CLIP_COUNT_RELEASE, CountingFlatClip, next_clip_bound, split_noise_multiplier,
-                                       unclipped_fraction_estimate)
+from fedfdp.algorithms.adaclip import CLIP_COUNT_RELEASE
 from fedfdp.errors import ConfigError
 from fedfdp.fit import main
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound, split_noise_multiplier,
+                                              unclipped_fraction_estimate)
 from fedfdp.seeding import poisson_mask, randn
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, RoundContext
 from tests.conftest import REPO
@@ -349,3 +350,12 @@ def test_the_command_line_refuses_a_noiseless_count_with_one_error_line(tmp_path
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "count_noise_std=0.0" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_adaptive_clipping_maths_doctests_hold():
+    import doctest
+
+    from fedfdp.privacy import adaptive_clipping
+
+    result = doctest.testmod(adaptive_clipping)
+    assert result.attempted >= 3 and result.failed == 0
