@@ -130,13 +130,28 @@ class Deployment:
             time.sleep(0.2)
 
     def start_supernode(self, name: str, config: str, key: Path | None = None) -> subprocess.Popen:
-        """``flower-supernode`` with its own local port and ``--node-config config``."""
-        args = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
-                "--node-config", config]
-        args += ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else ["--insecure"]
-        if key is not None:
-            args += ["--auth-supernode-private-key", str(key)]
-        return self._start(name, args)
+        """``flower-supernode`` with its own local port and ``--node-config config``.
+
+        Returns once the node listens on its port, so that the next :func:`free_port` cannot hand
+        out the same port (it is free until the node binds it: two nodes started back to back
+        could draw the same one). A node that loses its port to another process anyway is
+        started again on a new one.
+        """
+        for _ in range(3):
+            args = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port",
+                    str(free_port()), "--node-config", config]
+            args += ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else ["--insecure"]
+            if key is not None:
+                args += ["--auth-supernode-private-key", str(key)]
+            proc = self._start(name, args)
+            deadline = time.monotonic() + 60
+            while "Uvicorn running" not in self.log(name) and proc.poll() is None:
+                assert time.monotonic() < deadline, f"SuperNode {name} did not start within 60 s: {self.log(name)[-3000:]}"
+                time.sleep(0.1)
+            if "Uvicorn running" in self.log(name):
+                return proc
+            assert "address already in use" in self.log(name), self.log(name)[-3000:]
+        raise AssertionError(f"SuperNode {name} found no free port in 3 tries")
 
     def log(self, name: str) -> str:
         """What process ``name`` wrote so far."""
