@@ -65,6 +65,21 @@ def add_dry_run(parser: argparse.ArgumentParser) -> None:
                         help="print the fedfdp.fit commands that would run, one a line; run and write nothing")
 
 
+def output(text: str) -> None:
+    """Write the command's result to stdout: a table, a command to run, where files were written.
+
+    The experiment commands keep stdout for what a user reads or pipes; progress goes to
+    ``logging`` (stderr) and errors and notes to :func:`message`.
+    """
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
+def message(text: str) -> None:
+    """Write one line for the reader to stderr: an ``error: ...`` line or a note beside the result."""
+    sys.stderr.write(f"{text}\n")
+
+
 def print_command(cmd: Sequence[str]) -> None:
     """Print one command of a dry run (shell-quoted, so it can be pasted)."""
-    print(shlex.join(str(c) for c in cmd), file=sys.stdout, flush=True)
+    output(shlex.join(str(c) for c in cmd))

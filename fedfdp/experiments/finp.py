@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.privacy_metrics import convergence_round
 
 
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = selected_rows(args.rows)
     except ValueError as err:
-        print(f"error: finp-table: {err}", file=sys.stderr)
+        message(f"error: finp-table: {err}")
         return 2
     if not DATASETS[args.dataset][2]:
         rows = [r for r in rows if ROWS[r][0] != "dp"]
@@ -186,5 +186,5 @@ def run(args: argparse.Namespace) -> int:
         writer = csv.DictWriter(fh, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    print(table)
+    output(table)
     return 0

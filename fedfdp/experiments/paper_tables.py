@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def run_table(args: argparse.Namespace) -> int:
     logger.info("%s: %d runs, %d finished, %d to run", args.table, len(runs), len(runs) - len(todo), len(todo))
     missing = sorted({str(r.config) for r in todo if not r.config.exists()})
     if missing and not args.aggregate_only:
-        print(f"error: paper-{args.table}: no config {', '.join(missing)} (see --config-dir)", file=sys.stderr)
+        message(f"error: paper-{args.table}: no config {', '.join(missing)} (see --config-dir)")
         return 2
     if args.dry_run:  # the commands only: nothing is run or written
         for run in todo:
@@ -327,14 +327,14 @@ def run_table(args: argparse.Namespace) -> int:
                     logger.error("FAILED %s (%.0f s): see %s", run.run_dir, wall, run.run_dir / "fit.log")
     rows = collect(runs)
     if not rows:
-        print(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "
-              f"there is nothing to aggregate; run without --aggregate-only first", file=sys.stderr)
+        message(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "
+                f"there is nothing to aggregate; run without --aggregate-only first")
         return 2
     columns = list(dict.fromkeys(r.column.label for r in runs))
     methods = [label for label, _ in spec.methods if any(r.method == label for r in runs)]
     title = spec.title + (f" — shortened: {args.rounds} rounds max" if args.rounds else "")
     paths = write_outputs(out, args.table, title, methods, columns, rows)
-    print(f"wrote {paths['md']}, {paths['csv']}, {paths['png']} ({len(rows)}/{len(runs)} runs finished)")
+    output(f"wrote {paths['md']}, {paths['csv']}, {paths['png']} ({len(rows)}/{len(runs)} runs finished)")
     return 1 if failed else 0
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
         for method in methods:
             base = Path("configs/rcdpfl") / f"{args.dataset}_{method}.yaml"
             if not base.exists():
-                print(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
-                      f"methods: {' '.join(LABELS)})", file=sys.stderr)
+                message(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
+                        f"methods: {' '.join(LABELS)})")
                 return 2
             for seed in args.seeds:
                 name = f"{args.dataset}_{method}_eps{eps:g}_s{seed}"
@@ -175,16 +175,16 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     wall = run_one(config, out / "runs" / name, out / "configs" / f"{name}.yaml", args)
                 except RuntimeError as err:  # keep going: one failed run must not lose the others
-                    print(f"error: {err}", file=sys.stderr)
+                    message(f"error: {err}")
                     failed += 1
                     continue
                 summary = json.loads((out / "runs" / name / "summary.json").read_text())
                 rows.append({"method": method, "target": eps, "seed": seed, **_row(summary), "wall_seconds": wall})
-                print(f"{name}: All {100 * rows[-1]['acc_all']:.1f} Min {100 * rows[-1]['acc_minority']:.1f} "
-                      f"eps {rows[-1]['epsilon']:.3f} ({wall:.0f} s)", flush=True)
+                output(f"{name}: All {100 * rows[-1]['acc_all']:.1f} Min {100 * rows[-1]['acc_minority']:.1f} "
+                       f"eps {rows[-1]['epsilon']:.3f} ({wall:.0f} s)")
                 if rows[-1]["epsilon"] is not None and rows[-1]["epsilon"] > eps + 1e-9:
-                    print(f"error: {name} spent epsilon {rows[-1]['epsilon']} > target {eps}", file=sys.stderr)
+                    message(f"error: {name} spent epsilon {rows[-1]['epsilon']} > target {eps}")
                     return 1
     if rows:
-        print(write_table(rows, out))
+        output(write_table(rows, out))
     return 1 if failed else 0

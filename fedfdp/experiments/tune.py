@@ -68,14 +68,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fedfdp.cli_errors import config_file_problem
-from fedfdp.experiments._common import add_dry_run, add_list_option, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
     load_space, sample_overrides,
@@ -173,8 +172,8 @@ def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
         for seed in settings.seeds:
             print_command(fit_command(settings, settings.run_dir(len(existing) + k, seed), seed, overrides))
     if todo > 1:
-        print("# dry run: the values of later trials depend on the results of earlier ones; these are "
-              "drawn without results", file=sys.stderr)
+        message("# dry run: the values of later trials depend on the results of earlier ones; these are "
+                "drawn without results")
     return 0
 
 
@@ -240,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             return _dry_run(settings, args.trials, args.sampler_seed)
         return _run_study(settings, args.trials, args.sampler_seed)
     except TuneError as err:
-        print(f"error: tune: {err}", file=sys.stderr)
+        message(f"error: tune: {err}")
         return 2
 
 
@@ -300,22 +299,21 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
 
     info = write_best(settings, study)
     if info is None:
-        print(f"error: tune: no trial of the study in {settings.study_dir} finished; see the trials' fit.log",
-              file=sys.stderr)
+        message(f"error: tune: no trial of the study in {settings.study_dir} finished; see the trials' fit.log")
         return 1
-    print(f"study {settings.study_name}: {info['trials_finished']} finished trials, {info['trials_failed']} failed"
-          f"{shortened}")
-    print(f"best: trial {info['trial']} ({info['run_dirs'][0] if info['run_dirs'] else ''}), {settings.objective} "
-          f"(validation, mean of the last {settings.last} evaluations) = {info['value']:.6g}")
-    print(f"params: {json.dumps(info['params'])}")
-    print(f"wrote {settings.study_dir / 'best.yaml'} and best.json; train the chosen configuration and report its "
-          f"test metrics (summary.json: accuracy, accuracy_worst, psi) with:")
+    output(f"study {settings.study_name}: {info['trials_finished']} finished trials, {info['trials_failed']} failed"
+           f"{shortened}")
+    output(f"best: trial {info['trial']} ({info['run_dirs'][0] if info['run_dirs'] else ''}), {settings.objective} "
+           f"(validation, mean of the last {settings.last} evaluations) = {info['value']:.6g}")
+    output(f"params: {json.dumps(info['params'])}")
+    output(f"wrote {settings.study_dir / 'best.yaml'} and best.json; train the chosen configuration and report its "
+           f"test metrics (summary.json: accuracy, accuracy_worst, psi) with:")
     for cmd in info["commands"]:
         print_command(cmd)
     if settings.rounds:
-        print(f"note: a shortened study: trials ran at most {settings.rounds} rounds; best.yaml keeps the config's "
-              f"rounds")
-    print("note: tuning is not charged to the privacy budget; ε covers one training run")
+        output(f"note: a shortened study: trials ran at most {settings.rounds} rounds; best.yaml keeps the config's "
+               f"rounds")
+    output("note: tuning is not charged to the privacy budget; ε covers one training run")
     return 0
 
 
