@@ -27,10 +27,11 @@ from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
-from fedfdp.errors import ConfigError, PrivacyBudgetError, require
+from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.privacy.accounting import (ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent,
                                       PrivacyLedger, epsilon_of, max_rounds)
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
+from fedfdp.privacy.uploads import declared_upload_privacy, unprotected_declarations, unprotected_fields
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate, RoundContext
 
@@ -94,6 +95,8 @@ class RDPAccounting(FederationCallback):
         self.ledger_path = ledger_path
         self.allow_non_private = allow_non_private
         self.unbounded = False  # a release without a guarantee is configured (allow_non_private): ε is infinite
+        self.guarantee_checked = False  # set once every release and upload field was checked at start
+        self._declared: dict[str, str | None] | None = None  # upload field -> how it is private
         self._file: LedgerFile | None = None
         self._charged: set[int] = set()  # clients of the current round charged by on_client_release
         self.ledgers: dict[int, PrivacyLedger] = {}           # every release
@@ -150,7 +153,9 @@ class RDPAccounting(FederationCallback):
 
     # ---- start ------------------------------------------------------------------------------
     def setup_federation(self, trainer: Trainer, federation: Federation) -> None:
-        """Refuse releases without a guarantee; rebuild the ledgers from the ledger file."""
+        """Refuse releases without a guarantee and a δ that guarantees nothing; rebuild the ledgers
+        from the ledger file."""
+        self._check_delta(federation)
         self._check_guarantee(federation)
         if self.ledger_path is None:
             return
@@ -169,11 +174,33 @@ class RDPAccounting(FederationCallback):
             logger.info("privacy ledger %s: %d earlier releases of %d clients charged (epsilon %.4f so far)",
                         self.ledger_path, len(entries), len(by_client), self.epsilon())
 
+    def _check_delta(self, federation: Federation) -> None:
+        """Refuse δ ≥ 1/n, n the smallest client's training set: releasing one random record of it
+        outright is already (0, 1/n)-DP, so such a δ guarantees nothing (Dwork & Roth 2014, §2.3)."""
+        sizes = [int(n) for n in federation.datamodule.train_sizes if int(n) > 0]
+        if not sizes:
+            return
+        n = min(sizes)
+        if not self.delta < 1.0 / n:
+            raise ConfigError(f"RDPAccounting.delta={self.delta:g} guarantees nothing: it must be in (0, 1/n) with n = "
+                              f"{n}, the smallest client's training set (1/n = {1.0 / n:.3g}); the papers use 1e-5")
+
     def _check_guarantee(self, federation: Federation) -> None:
+        """Every configured release is noised and bounded, no layer mixes samples, and every field of
+        the uploads is declared private (:mod:`fedfdp.privacy.uploads`): else refuse, or with
+        ``allow_non_private`` report ε as infinite."""
         releases = list(federation.algorithm.dp_releases())
         for cb in federation.federation_callbacks():
             releases.extend(cb.dp_releases(federation))
+        self._declared = declared_upload_privacy(federation)
         try:
+            problems = unprotected_declarations(self._declared, releases)
+            if problems:
+                raise ConfigError(
+                    f"model.algorithm {type(federation.algorithm).__name__}: {problems[0]}, but trainer.callbacks "
+                    f"has callbacks.RDPAccounting, which would report an epsilon for the run; use a DP algorithm "
+                    f"(DPFedAvg, FedFDP, DPFedProx, ...) with its DP callbacks, or remove the DP callbacks, or set "
+                    f"RDPAccounting.allow_non_private: true to run it for analysis (epsilon inf, dp_valid false)")
             check_releases(releases)
             mixing = sample_mixing_layers(federation.client.net)
             if mixing:
@@ -187,6 +214,13 @@ class RDPAccounting(FederationCallback):
                 raise
             logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", err)
             self.unbounded = True
+        self.guarantee_checked = True
+
+    @property
+    def guarantee_holds(self) -> bool:
+        """Whether the run's (ε, δ) claim holds: every release and upload field was checked at start,
+        and none ran without a guarantee (``allow_non_private``)."""
+        return self.guarantee_checked and not self.unbounded
 
     # ---- federation hooks -------------------------------------------------------------------
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
@@ -237,13 +271,37 @@ class RDPAccounting(FederationCallback):
                     f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
 
     def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
-        """Write the upload's events to the ledger file (fsynced) and charge them, before it leaves."""
+        """Check that every field of the upload is private, then write its events to the ledger file
+        (fsynced) and charge them, before it leaves.
+
+        Raises:
+            PrivacyError: a field of the upload is not covered by a declared and charged release (it
+                does not leave: the run stops), unless ``allow_non_private`` (then ε is infinite).
+        """
+        if self._declared is None:
+            self._declared = declared_upload_privacy(federation)
+        problems = unprotected_fields(update, self._declared)
+        if problems:
+            if not self.allow_non_private:
+                raise PrivacyError(f"round {federation.current_round + 1}: client {update.client_id}'s upload carries "
+                                   f"{problems[0]}, which no declared and charged DP release covers; it was not "
+                                   f"released (declare it in the algorithm's upload_privacy, or set "
+                                   f"RDPAccounting.allow_non_private: true for analysis)")
+            self.unbounded = True
         if self._file is not None:
             self._file.append([LedgerEntry(round=federation.current_round, client=update.client_id, kind=kind,
                                            event=event) for kind, event in update.dp_events])
         self._record(update.client_id, update.dp_events)
         self._charged.add(update.client_id)
         self._refresh((update.client_id,))
+        spent = self._budget_spent.get(update.client_id, 0.0)
+        if self.target_epsilon is not None and self.rounds_rule == "strict" and spent > self.target_epsilon:
+            # the round's guard projected the planned events; an upload that charges more (a planning
+            # bug) must not take the run past its budget: charged, but not released
+            raise PrivacyBudgetError(
+                f"round {federation.current_round + 1}: client {update.client_id}'s upload charges epsilon "
+                f"{spent:.4f}, over RDPAccounting.target_epsilon={self.target_epsilon} (more than the round's "
+                f"planned DP events); it was not released")
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:

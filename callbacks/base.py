@@ -52,6 +52,12 @@ class FederationCallback(Callback):
         """The private releases this callback makes (σ and C; checked at start by the accountant)."""
         return []
 
+    def upload_privacy(self, federation: Federation) -> dict[str, str | None]:
+        """How each upload field this callback fills is private (``{"reported_loss": "loss"}``; ``None``:
+        not private). See :meth:`fedfdp.algorithms.Algorithm.upload_privacy`; a field it fills that is
+        declared nowhere counts as not private."""
+        return {}
+
     def setup_federation(self, trainer: Trainer, federation: Federation) -> None:
         """Called once at start, after the algorithm's setup and before the rounds are planned."""
 

@@ -79,6 +79,7 @@ class ClusterMetrics(FederationCallback):
             x = torch.cat([dm.client_train(c)[0] for c in members]).to(federation.device)
             y = torch.cat([dm.client_train(c)[1] for c in members]).to(federation.device)
             net = copy.deepcopy(self._initial if self._initial is not None else federation.client.net)
+            net = net.to(federation.device)  # _initial was copied in setup, before the module moved
             opt = torch.optim.SGD(net.parameters(), lr=self.reference_lr)
             gen = torch_generator(federation.seed, "reference", int(m))
             for _ in range(self.reference_epochs):

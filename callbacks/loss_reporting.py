@@ -44,6 +44,10 @@ class LossReporting(FederationCallback):
                 f"LossReporting.eval_batch_size must be >= 1 or null, got {eval_batch_size}")
         self.eval_batch_size = eval_batch_size
 
+    def upload_privacy(self, federation: Federation) -> dict[str, str | None]:
+        """The exact loss leaves the client: not private."""
+        return {"reported_loss": None}
+
     @torch.no_grad()
     def _losses(self, client: ClientModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = eval_batch_size(self.eval_batch_size, y.device)
@@ -127,7 +131,11 @@ class NoisyLossReporting(LossReporting):
         """The loss upload: each loss clipped to ``[0, C_l]``, noise ``σ_l C_l``."""
         return [DPRelease(name="loss upload", noise_field="NoisyLossReporting.noise_multiplier",
                           noise_multiplier=self.noise_multiplier, bound_field="NoisyLossReporting.loss_bound",
-                          clip_bound=self.loss_bound)]
+                          clip_bound=self.loss_bound, kind=LOSS_RELEASE)]
+
+    def upload_privacy(self, federation: Federation) -> dict[str, str | None]:
+        """The reported loss is the output of the loss release (kind ``loss``)."""
+        return {"reported_loss": LOSS_RELEASE}
 
     def planned_dp_events(self, federation: Federation, client_id: int) -> list[tuple[str, DPEvent]]:
         """One SGM(q, σ_l) per round (Theorem 2's second mechanism)."""

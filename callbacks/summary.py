@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.accounting import RDPAccounting
 from callbacks.base import FederationCallback
+from fedfdp.errors import DivergenceError
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -36,11 +37,34 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-class RunSummary(FederationCallback):
-    """Writes ``summary.json`` after every evaluation (so an interrupted run keeps its results).
+#: ``summary.json``'s ``status``: how the run stands or ended.
+STATUSES = ("running", "completed", "budget_spent", "diverged", "interrupted", "failed")
 
-    Contents: rounds run, the final evaluation (pooled accuracy, per-client accuracy and loss, Ψ
-    variants, accuracy dispersion), the best pooled accuracy, ε spent (and budgeted ε), the seed,
+
+def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
+    """``dp_valid`` and ``evaluated_models_private`` of a run, fail-closed.
+
+    ``dp_valid``: the run has an accountant that checked, at start, that every release is noised
+    and bounded and every field of the uploads is declared private
+    (:mod:`fedfdp.privacy.uploads`), and none ran without a guarantee (``allow_non_private``).
+    ``evaluated_models_private``: moreover every model the run evaluates and reports is covered
+    by that ε (``Algorithm.evaluated_models_covered``; false e.g. for DP-Ditto's personal models
+    trained by plain SGD on the client).
+    """
+    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
+    dp_valid = accountant is not None and accountant.guarantee_holds
+    covered = bool(getattr(federation.algorithm, "evaluated_models_covered", False))
+    return {"dp_valid": dp_valid, "evaluated_models_private": dp_valid and covered}
+
+
+class RunSummary(FederationCallback):
+    """Writes ``summary.json`` after every evaluation and when the run ends, however it ends.
+
+    Contents: ``status`` (``running`` while the run goes on; ``completed`` after ``num_rounds``,
+    ``budget_spent`` when the privacy budget set the rounds, ``diverged``, ``interrupted`` by a
+    signal, ``failed`` on any other error), rounds run, the latest evaluation (pooled accuracy,
+    per-client accuracy and loss, Ψ variants, accuracy dispersion) and its round, the best pooled
+    accuracy, the privacy claims (:func:`privacy_claims`), ε spent (and budgeted ε), the seed,
     seconds per round, peak memory and ``wall_seconds``.
 
     A resumed run's summary covers the whole run: the history, best accuracy and round times come
@@ -64,6 +88,8 @@ class RunSummary(FederationCallback):
         self._earlier_rounds = (0.0, 0)  # (seconds, rounds) timed by earlier sessions
         self._session_rounds = (0.0, 0)  # (seconds, rounds) timed by this session
         self._session_start = time.monotonic()  # this session: from building the run (data loading included)
+        self._last_result: EvaluationResult | None = None
+        self._training = False  # training started: a summary is owed however the run ends
 
     def _path(self, trainer: Trainer) -> Path:
         path = Path(self.dirpath or trainer.default_root_dir)
@@ -72,6 +98,7 @@ class RunSummary(FederationCallback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """On a resume, count the wall time of the earlier sessions as their last summary has it."""
+        self._training = True
         if trainer.ckpt_path is None:
             return
         path = Path(self.dirpath or trainer.default_root_dir) / "summary.json"
@@ -101,30 +128,46 @@ class RunSummary(FederationCallback):
         if self.best_accuracy is None or acc > self.best_accuracy:
             self.best_accuracy, self.best_round = acc, result.round
         self.history.append({"round": result.round, **result.scalars})
-        if trainer.is_global_zero:  # several processes hold the same results; one writes them
-            write_json_atomic(self._path(trainer), self.summary(trainer, federation, result))
+        self._last_result = result
+        self.write(trainer, federation, "running")
 
-    def summary(self, trainer: Trainer, federation: Federation, result: EvaluationResult) -> dict[str, Any]:
-        """The summary dictionary for the latest evaluation."""
+    def write(self, trainer: Trainer, federation: Federation, status: str) -> Path | None:
+        """Write ``summary.json`` with ``status`` and the latest evaluation (rank zero only); also into
+        the W&B run's summary. Returns the path written (None on other ranks)."""
+        if not trainer.is_global_zero:  # several processes hold the same results; one writes them
+            return None
+        summary = self.summary(trainer, federation, self._last_result, status)
+        path = self._path(trainer)
+        write_json_atomic(path, summary)
+        _to_wandb_summary(trainer, summary)
+        return path
+
+    def summary(self, trainer: Trainer, federation: Federation, result: EvaluationResult | None,
+                status: str = "running") -> dict[str, Any]:
+        """The summary dictionary for the latest evaluation (``result``; None before the first)."""
+        assert status in STATUSES, status
         accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
         seconds = federation.round_seconds
         self._session_rounds = (float(sum(seconds)), len(seconds))
         total, timed = self._round_seconds()
         out: dict[str, Any] = {
-            "rounds_run": result.round,
+            "status": status,
+            "rounds_run": int(trainer.global_step),
             "rounds_planned": federation.total_rounds,
+            "final_evaluation_round": result.round if result is not None else None,
             "algorithm": type(federation.algorithm).__name__,
             "num_clients": federation.num_clients,
-            "final": dict(result.scalars),
+            "final": dict(result.scalars) if result is not None else None,
             "best_accuracy": self.best_accuracy,
             "best_accuracy_round": self.best_round,
-            "clients": {"accuracy": result.client_accuracy.tolist(), "loss": result.client_loss.tolist(),
-                        "train_size": [int(w) for w in result.weights.tolist()]},
+            "clients": None if result is None else {
+                "accuracy": result.client_accuracy.tolist(), "loss": result.client_loss.tolist(),
+                "train_size": [int(w) for w in result.weights.tolist()]},
             "seed": federation.seed,
             "seconds_per_round": total / timed if timed else None,
             "wall_seconds": self.wall_seconds(),
             "peak_memory_mb": peak_memory_mb(),
-            "dp_valid": bool(getattr(federation.algorithm, "dp_valid", True)),
+            **privacy_claims(trainer, federation),
             "history": self.history,
         }
         if accountant is not None:
@@ -133,21 +176,39 @@ class RunSummary(FederationCallback):
             out["delta"] = accountant.delta
             out["target_epsilon"] = accountant.target_epsilon
             out["accounting_mode"] = accountant.accounting_mode
-            out["dp_valid"] = out["dp_valid"] and not accountant.unbounded  # allow_non_private ran a release without a guarantee
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write the run report (plots need the CSV metrics, flushed by the loggers at the end)."""
-        if not trainer.is_global_zero:
+        """Write the final summary (its status: completed, budget spent or interrupted), then the run
+        report (plots need the CSV metrics, flushed by the loggers at the end)."""
+        federation: Federation = pl_module  # type: ignore[assignment]
+        if federation.stop_signal is not None or trainer.global_step < federation.total_rounds:
+            status = "interrupted"
+        else:
+            status = "budget_spent" if federation.budget_limited else "completed"
+        path = self.write(trainer, federation, status)
+        if path is None:
             return
-        path = self._path(trainer)
-        logger.info("summary written to %s", path)
-        if self.report and path.exists():
+        logger.info("summary written to %s (status %s)", path, status)
+        if self.report and self._last_result is not None:
             from fedfdp.report import write_report
 
             for lg in trainer.loggers:
                 lg.save()
             logger.info("report written to %s", write_report(path.parent))
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A run stopped by an error says so: ``diverged`` (non-finite model or loss), ``interrupted``
+        (a second signal), else ``failed``; written only once training has produced a summary."""
+        if not self._training or not hasattr(pl_module, "total_rounds"):
+            return  # the start was refused: leave no summary behind
+        if isinstance(exception, DivergenceError):
+            status = "diverged"
+        elif isinstance(exception, KeyboardInterrupt):
+            status = "interrupted"
+        else:
+            status = "failed"
+        self.write(trainer, pl_module, status)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """Best accuracy, evaluation history, wall and round times (so a resumed run's summary is complete)."""
@@ -164,6 +225,16 @@ class RunSummary(FederationCallback):
         total, timed = state_dict.get("round_seconds", (0.0, 0))
         self._earlier_rounds = (float(total), int(timed))
         self._session_rounds = (0.0, 0)
+
+
+def _to_wandb_summary(trainer: Trainer, summary: dict[str, Any]) -> None:
+    """Put the run's status, privacy claims and ε into the W&B run summary (what W&B tables show)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    keys = ("status", "rounds_run", "dp_valid", "evaluated_models_private", "epsilon", "delta", "target_epsilon")
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger):
+            lg.experiment.summary.update({k: summary[k] for k in keys if k in summary})
 
 
 class ClientTableLogger(FederationCallback):

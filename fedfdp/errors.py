@@ -30,5 +30,9 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class PrivacyError(FedFDPError):
+    """A release would leave a client without the guarantee the run claims."""
+
+
 class DivergenceError(FedFDPError):
     """Training produced NaN or Inf (a loss or a model update)."""

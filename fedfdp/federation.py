@@ -146,6 +146,8 @@ class Federation(FederationEvaluation, LightningModule):
         self.current_round = 0
         self.last_evaluation: EvaluationResult | None = None
         self._round_seconds: list[float] = []
+        self.budget_limited = False  # the privacy budget (a callback's limit), not num_rounds, sets the rounds
+        self.stop_signal: int | None = None  # the signal that stopped the run early (callbacks.GracefulInterrupt)
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +169,7 @@ class Federation(FederationEvaluation, LightningModule):
         require(self.clients_per_round is None or self.clients_per_round <= datamodule.num_clients,
                 f"model.clients_per_round must be <= data.num_clients={datamodule.num_clients}, "
                 f"got {self.clients_per_round}")
+        self._check_model_fits_data()
         callbacks = self.federation_callbacks()
         for required in self.algorithm.required_callbacks:
             if not any(isinstance(cb, required) for cb in callbacks):
@@ -182,6 +185,31 @@ class Federation(FederationEvaluation, LightningModule):
         logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
                     type(self.algorithm).__name__)
 
+    @torch.no_grad()
+    def _check_model_fits_data(self) -> None:
+        """One forward pass on two training records: the net must take the data's inputs and give one
+        score per class. Run before training starts, so a mismatch is one line and no file of the
+        run is written. Evaluation mode (no BatchNorm statistics updated, no dropout draws): the
+        check changes no state and consumes no random number."""
+        client = next((c for c in range(self.num_clients) if int(self.datamodule.train_sizes[c]) > 0), None)
+        if client is None:
+            return
+        x, _ = self.datamodule.client_train(client)
+        net, training = self.client.net, self.client.net.training
+        net.eval()
+        try:
+            out = net(x[:2])
+        except RuntimeError as err:
+            raise ConfigError(f"model.client.init_args.net does not accept the data's inputs of shape "
+                              f"{tuple(x.shape[1:])} ({str(err).splitlines()[0]}); check its in_channels/image_size/"
+                              f"input size") from err
+        finally:
+            net.train(training)
+        classes = self.datamodule.num_classes
+        if out.ndim != 2 or out.shape[1] != classes:
+            raise ConfigError(f"model.client.init_args.net gives outputs of shape {tuple(out.shape[1:])} per record, but "
+                              f"the data has {classes} classes: set its num_classes to {classes}")
+
     def _plan_rounds(self) -> None:
         """``total_rounds``: the smallest of ``num_rounds`` and every callback's limit (the budget)."""
         limits = [lim for cb in self.federation_callbacks() if (lim := cb.max_rounds(self.trainer, self)) is not None]
@@ -191,6 +219,7 @@ class Federation(FederationEvaluation, LightningModule):
             raise ConfigError("model.num_rounds must be set (>= 1) when no callback limits the rounds "
                               "(e.g. callbacks.RDPAccounting with a target_epsilon)")
         self.total_rounds = min(limits)
+        self.budget_limited = self.num_rounds is None or self.total_rounds < self.num_rounds
         if self.num_rounds is not None and self.total_rounds < self.num_rounds:
             logger.info("privacy budget allows %d of the %d requested rounds", self.total_rounds, self.num_rounds)
         self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds

@@ -58,7 +58,10 @@ def hessian_vector_product(net: nn.Module, loss_fn: Callable[[Tensor, Tensor], T
 def power_iteration(hvp: HVP, like: Sequence[Tensor], *, max_iter: int = 100, tol: float = 1e-3,
                     generator: torch.Generator | None = None) -> float:
     """Eigenvalue of largest magnitude of ``H`` (sign kept): ``λ ← ⟨Hv, v⟩, v ← Hv/‖Hv‖`` (spec §1.2)."""
-    v = _normalise([torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device) for p in like])
+    # drawn on the generator's device (a seeded CPU stream gives the same probes on any device)
+    v = _normalise([torch.randn(p.shape, generator=generator, dtype=p.dtype,
+                                device=p.device if generator is None else generator.device).to(p.device)
+                    for p in like])
     lam: float | None = None
     for _ in range(max_iter):
         hv = hvp(v)
@@ -76,7 +79,8 @@ def hutchinson_trace(hvp: HVP, like: Sequence[Tensor], *, max_iter: int = 100, t
     samples: list[float] = []
     prev = 0.0
     for _ in range(max_iter):
-        z = [torch.randint(0, 2, p.shape, generator=generator, device=p.device).to(p.dtype) * 2 - 1 for p in like]
+        z = [torch.randint(0, 2, p.shape, generator=generator, device=p.device if generator is None
+                           else generator.device).to(p.device, p.dtype) * 2 - 1 for p in like]
         samples.append(float(_dot(hvp(z), z)))
         mean = sum(samples) / len(samples)
         if abs(mean - prev) / (abs(prev) + 1e-6) < tol:

@@ -33,6 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import Logger
 
 from callbacks.accounting import RDPAccounting
+from callbacks.interrupt import GracefulInterrupt, exit_status
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
@@ -40,10 +41,11 @@ from fedfdp.cli_errors import (
     config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
 )
 from fedfdp.cli_logging import configure_logging, is_launched_process
-from fedfdp.errors import ConfigError, require
+from fedfdp.errors import ConfigError, DivergenceError, require
 from fedfdp.federation import Federation
 from fedfdp.rundir import CONFIG_NAME, RunLock, check_resume, run_files, with_saved_config
 from fedfdp.runlog import RunCSVLogger
+from fedfdp.trainer_options import REFUSED_TRAINER_OPTIONS, check_trainer_options
 
 logger = logging.getLogger("fedfdp")
 
@@ -70,11 +72,22 @@ def wandb_mode(requested: str) -> str:
         return env
     if requested not in get_args(WandbMode):
         raise ConfigError(f"wandb must be one of {', '.join(get_args(WandbMode))}, got {requested!r}")
+    if requested == "online" and not _has_wandb_key():
+        raise ConfigError("--wandb online needs a W&B API key (WANDB_API_KEY or `wandb login`), and none is set; "
+                          "use --wandb offline (or auto) and `wandb sync RUN_DIR/wandb/offline-run-*` later")
     if requested != "auto":
         return requested
+    return "online" if _has_wandb_key() else "offline"
+
+
+def _has_wandb_key() -> bool:
+    """Whether W&B has an API key: ``WANDB_API_KEY`` or an ``api.wandb.ai`` entry in ``~/.netrc``."""
     netrc = Path.home() / ".netrc"
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
-    return "online" if has_key else "offline"
+    try:
+        in_netrc = netrc.exists() and "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        in_netrc = False
+    return bool(os.environ.get("WANDB_API_KEY")) or in_netrc
 
 
 class ConfigToLoggers(SaveConfigCallback):
@@ -131,7 +144,7 @@ class FedFDPCLI(LightningCLI):
         # written before still load (resume).
         for key in _UNUSED_LIGHTNING_KEYS:
             parser.add_argument(f"--{key}", type=Any, default=None, help=argparse.SUPPRESS)
-        _hide_from_help(parser, [f"trainer.{name}" for name in IGNORED_TRAINER_OPTIONS])
+        _hide_from_help(parser, [f"trainer.{name}" for name in (*REFUSED_TRAINER_OPTIONS, *HIDDEN_TRAINER_OPTIONS)])
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse like LightningCLI; a parse error becomes a :class:`ConfigError` of one clear line."""
@@ -141,6 +154,7 @@ class FedFDPCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as err:
             raise ConfigError(explain_parse_error(str(err), parser)) from err
+        self.check_trainer_options(parser)
         every = self.config.get("checkpoint_every")
         require(every is None or every >= 1, f"checkpoint_every must be an integer >= 1 or null, got {every}")
         for key in _UNUSED_LIGHTNING_KEYS:
@@ -148,6 +162,10 @@ class FedFDPCLI(LightningCLI):
                 raise ConfigError(f"{key} is not used by fedfdp, got {self.config[key]!r}: the clients' "
                                   "optimisation is the algorithm's (model.algorithm.init_args.lr, ...) and the "
                                   f"server's is model.server_optimizer; leave {key} unset")
+
+    def check_trainer_options(self, parser: LightningArgumentParser) -> None:
+        """Refuse Trainer options that a federated run cannot honour (:mod:`fedfdp.trainer_options`)."""
+        check_trainer_options(self.config.get("trainer") or {}, parser.get_defaults().get("trainer") or {})
 
     def _run_dir(self) -> Path:
         """``--run_dir``; for ranks > 0 the launching process's; else ``runs/<config name>/<timestamp>``."""
@@ -259,6 +277,8 @@ class FedFDPCLI(LightningCLI):
         if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
                 isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(RoundProgressBar())
+        if not any(isinstance(cb, GracefulInterrupt) for cb in callbacks):
+            callbacks.append(GracefulInterrupt())
         callbacks.append(RunDirGuard(run_dir, lock))
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
@@ -352,15 +372,9 @@ LEDGER_NAME = "privacy_ledger.jsonl"
 #: LightningCLI keys that fedfdp does not use (accepted as null only, for older config.yaml files).
 _UNUSED_LIGHTNING_KEYS = ("optimizer", "lr_scheduler")
 
-#: Trainer options that a federated run overrides or never uses (rounds come from model.num_rounds,
-#: evaluation from model.eval_every, local steps from the algorithm): accepted, but not in --help.
-IGNORED_TRAINER_OPTIONS = (
-    "max_epochs", "min_epochs", "max_steps", "min_steps", "limit_train_batches", "limit_val_batches",
-    "limit_test_batches", "limit_predict_batches", "overfit_batches", "val_check_interval", "check_val_every_n_epoch",
-    "num_sanity_val_steps", "enable_model_summary", "accumulate_grad_batches",
-    "gradient_clip_val", "gradient_clip_algorithm", "inference_mode", "use_distributed_sampler", "barebones",
-    "sync_batchnorm", "reload_dataloaders_every_n_epochs", "enable_autolog_hparams", "model_registry",
-)
+#: Trainer options that work but say little about a federated run: accepted, not in --help. The
+#: options a federated run cannot honour are refused (:mod:`fedfdp.trainer_options`) and not in --help.
+HIDDEN_TRAINER_OPTIONS = ("enable_model_summary",)
 
 
 def _hide_from_help(parser: LightningArgumentParser, keys: list[str]) -> None:
@@ -420,8 +434,18 @@ def _finish_wandb(cli: FedFDPCLI | None, failed: bool) -> None:
             lg.experiment.finish(exit_code=1 if failed else 0)
 
 
+#: Exit status of a run whose training diverged (non-finite model or loss).
+EXIT_DIVERGED = 3
+
+
 def main(args: list[str] | None = None) -> int:
-    """Entry point; returns the process exit status (2 with one ``error:`` line for a user error)."""
+    """Entry point; returns the process exit status.
+
+    0: the run completed (or spent its privacy budget); 2: one ``error:`` line for a user error
+    (configuration, data, a refused privacy claim or resume); 3: training diverged; 128 + signal
+    (130 SIGINT, 143 SIGTERM): interrupted at a round boundary, checkpointed, resumable with
+    ``--ckpt_path last``; 1: an unexpected error (a traceback).
+    """
     configure_logging()
     argv = list(sys.argv[1:] if args is None else args)
     problem = next((p for p in map(config_file_problem, config_paths(argv)) if p), None)
@@ -435,13 +459,23 @@ def main(args: list[str] | None = None) -> int:
         ckpt = cli.config.get("ckpt_path")
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
         failed = False
+        if cli.model.stop_signal is not None:
+            return exit_status(cli.model.stop_signal)
+    except (KeyboardInterrupt, SystemExit):
+        # Lightning turns a KeyboardInterrupt (a second signal) into sys.exit(1)
+        signum = getattr(getattr(cli, "model", None), "stop_signal", None)
+        if signum is None:
+            raise
+        print(f"error: interrupted by a second signal in round {cli.trainer.global_step + 1}, at once; resume with "
+              f"--ckpt_path last from the last checkpoint", file=sys.stderr)
+        return exit_status(signum)
     except Exception as err:
         # jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data)
         # in its own ValueError: report the FedFDPError inside, or the parse error, as one line.
         cause = fedfdp_cause(err)
         if cause is not None:
             print(f"error: {one_line(str(cause))}", file=sys.stderr)
-            return 2
+            return EXIT_DIVERGED if isinstance(cause, DivergenceError) else 2
         if type(err).__name__ == "ArgumentError":
             print(f"error: {explain_parse_error(str(err))}", file=sys.stderr)
             return 2

@@ -161,6 +161,16 @@ def _summary(run_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({err}); the run may still be writing it") from err
 
 
+def privacy_claim(summary: dict[str, Any]) -> str:
+    """What the run's ε covers, in words (from ``dp_valid`` and ``evaluated_models_private``)."""
+    if not summary.get("dp_valid"):
+        return "none: not differentially private (some release has no guarantee, or no accountant)"
+    if summary.get("evaluated_models_private") is False:
+        return ("ε covers every release that left the clients, but NOT the evaluated models (trained on raw data "
+                "and kept on the clients)")
+    return "ε covers every release and every evaluated model"
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and ``plots/*.png`` for one run directory; returns the report path."""
     run_dir = Path(run_dir)
@@ -182,7 +192,8 @@ def write_report(run_dir: str | Path) -> Path:
     final = summary["final"]
     lines = [f"# Run report: {run_dir.name}", "",
              f"Algorithm **{summary['algorithm']}**, {summary['num_clients']} clients, "
-             f"{summary['rounds_run']} of {summary['rounds_planned']} planned rounds.", "",
+             f"{summary['rounds_run']} of {summary['rounds_planned']} planned rounds"
+             f"{'' if summary.get('status') is None else ', status **' + summary['status'] + '**'}.", "",
              "| metric | value |", "|---|---|",
              f"| pooled test accuracy (final) | {final['accuracy']:.4f} |",
              f"| best pooled accuracy (round) | {summary['best_accuracy']:.4f} ({summary['best_accuracy_round']}) |",
@@ -194,6 +205,7 @@ def write_report(run_dir: str | Path) -> Path:
     if "epsilon" in summary:
         lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
+    lines.append(f"| privacy claim | {privacy_claim(summary)} |")
     lines.append(f"| seconds per round / peak memory | {_fmt(summary.get('seconds_per_round'))} s / "
                  f"{summary['peak_memory_mb']:.0f} MB |")
     if summary.get("wall_seconds") is not None:  # summaries written before wall time was recorded lack it

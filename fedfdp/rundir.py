@@ -130,15 +130,34 @@ def check_resume(run_dir: Path, saved: dict[str, Any], new: dict[str, Any]) -> N
 
 # ---- run directory contents --------------------------------------------------------------------
 def run_files(run_dir: Path) -> list[str]:
-    """The files of an earlier run in ``run_dir`` (empty when there is none)."""
+    """The files of an earlier run's results in ``run_dir`` (empty when there is none).
+
+    Results are a summary, a checkpoint, a privacy ledger with a release, or metrics of a round. A
+    start that failed before its first round leaves at most ``config.yaml`` and a header-only
+    ``metrics.csv``: that directory holds no results and a corrected command may start in it.
+    """
     if not run_dir.is_dir():
         return []
-    found = [name for name in (CONFIG_NAME, "summary.json", "metrics.csv") if (run_dir / name).is_file()]
+    found = ["summary.json"] if (run_dir / "summary.json").is_file() else []
+    metrics = run_dir / "metrics.csv"
+    if metrics.is_file() and _has_lines(metrics, 2):
+        found.append("metrics.csv")
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         found.append("checkpoints/")
-    found += sorted(p.name for p in run_dir.glob("privacy_ledger*.jsonl"))
+    found += sorted(p.name for p in run_dir.glob("privacy_ledger*.jsonl") if _has_lines(p, 1))
     return found
+
+
+def _has_lines(path: Path, count: int) -> bool:
+    """Whether ``path`` has at least ``count`` non-empty lines (reads only as far as needed)."""
+    seen = 0
+    with path.open("rb") as f:
+        for line in f:
+            seen += bool(line.strip())
+            if seen >= count:
+                return True
+    return False
 
 
 def _option(argv: Sequence[str], *names: str) -> tuple[bool, str | None]:

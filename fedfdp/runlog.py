@@ -23,7 +23,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 
 class MergingExperimentWriter(ExperimentWriter):
-    """Writes ``metrics.csv`` as one row per step, merged with the rows already in the file."""
+    """Writes ``metrics.csv`` as one row per step, merged with the rows already in the file.
+
+    Each row starts with ``round`` (1-based: the round whose metrics it holds) and Lightning's
+    ``step`` (``round - 1``).
+    """
 
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir=log_dir)
@@ -52,7 +56,9 @@ class MergingExperimentWriter(ExperimentWriter):
         for metrics in self.metrics:
             rows.setdefault(int(metrics["step"]), {}).update(metrics)
         self.metrics = []
-        keys = sorted(set().union(*rows.values()))
+        for step, row in rows.items():  # Lightning's step is 0-based; the round it logs is step + 1
+            row["round"] = step + 1
+        keys = ["round", "step", *sorted(set().union(*rows.values()) - {"round", "step"})]
         path = Path(self.metrics_file_path)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("w", newline="") as f:

@@ -54,6 +54,23 @@ def run_federation(algorithm: Any, callbacks: list[Any], *, rounds: int | None =
     return fed, trainer
 
 
+def fit_resumable(make_algorithm: Any, rounds: int, ckpt_dir: Any = None, ckpt_path: str | None = None) -> Federation:
+    """Fit ``make_algorithm()`` with an accountant for ``rounds`` rounds (seed 1), checkpointing every
+    round into ``ckpt_dir`` and resuming from ``ckpt_path`` when given (resume-equivalence tests)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from callbacks import RDPAccounting
+
+    cbs: list[Any] = [RDPAccounting()]
+    if ckpt_dir is not None:
+        cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1))
+    fed = Federation(tiny_client(), make_algorithm(), num_rounds=rounds, seed=1)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      max_epochs=-1, enable_checkpointing=ckpt_dir is not None, callbacks=cbs)
+    trainer.fit(fed, datamodule=tiny_data(), ckpt_path=ckpt_path)
+    return fed
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     """All parameters of ``model`` as one vector."""
     return torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -29,6 +29,10 @@ def _ledger(run_dir):
 @pytest.mark.parametrize("summary_path", RUNS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
 def test_a_committed_runs_epsilon_is_its_ledgers_and_within_the_target(summary_path):
     summary = json.loads(summary_path.read_text())
+    assert summary.get("status", "completed") in ("completed", "budget_spent")  # only complete runs are committed
+    if summary.get("epsilon") is None:  # a non-private baseline (e.g. local-only training without DP)
+        assert summary["dp_valid"] is False and not (summary_path.parent / "privacy_ledger.jsonl.gz").exists()
+        return
     records = _ledger(summary_path.parent)
     per_client = defaultdict(list)
     for r in records:

@@ -51,7 +51,7 @@ def test_the_configs_data_dir_is_found_from_any_working_directory(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FEDFDP_DATA_DIR", raising=False)
     files = find_idx_files(data_dir, "FashionMNIST", verify=False)
-    assert all(path.is_relative_to(SHARED_DATA.resolve()) for path in files.values())
+    assert all(path.resolve().is_relative_to(SHARED_DATA.resolve()) for path in files.values())
     FashionMNISTDataModule(data_dir=data_dir, download=False).prepare_data()
 
 
@@ -60,7 +60,7 @@ def test_fedfdp_data_dir_environment_variable_is_searched(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDFDP_DATA_DIR", str(SHARED_DATA))
     files = find_idx_files("nowhere", "FashionMNIST", verify=False)
-    assert all(path.is_relative_to(SHARED_DATA) for path in files.values())
+    assert all(path.resolve().is_relative_to(SHARED_DATA.resolve()) for path in files.values())
 
 
 @needs_fmnist

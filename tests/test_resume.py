@@ -129,7 +129,7 @@ def test_fresh_start_into_a_started_run_without_summary_is_refused(run, capsys):
     before = _snapshot(run)
     assert main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "2.0"]) == 2
     err = _errors(capsys)
-    assert len(err) == 1 and "already holds" in err[0] and "config.yaml" in err[0], err
+    assert len(err) == 1 and "already holds" in err[0] and "checkpoints/" in err[0], err
     assert _snapshot(run) == before
 
 
@@ -181,11 +181,13 @@ def test_divergence_in_round_one_claims_only_what_the_run_directory_holds(tmp_pa
     finally:
         logging.getLogger("fedfdp").removeHandler(handler)
     err = _errors(capsys)
-    assert code == 2 and len(err) == 1 and "round 1" in err[0]
-    # nothing of the run was saved: the command line says so on a log line of its own ...
-    assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints").exists()
+    assert code == 3 and len(err) == 1 and "round 1" in err[0]  # exit status 3: diverged
+    # no round was saved; the summary says how the run ended, and the log line what is kept ...
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["rounds_run"] == 0 and summary["final"] is None
+    assert not (run_dir / "checkpoints").exists()
     kept = [m for m in records if "keeps" in m]
-    assert kept and "no checkpoint and no summary.json" in kept[-1], records
+    assert kept and "no checkpoint" in kept[-1], records
     # ... and the error line (fedfdp.federation.DivergenceError) claims no kept files
     assert "kept" not in err[0], err[0]
 

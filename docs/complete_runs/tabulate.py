@@ -1,13 +1,22 @@
 """Table of complete runs (mean ± std over seeds) from their run directories.
 
-    python docs/complete_runs/tabulate.py [--plot PNG] LABEL=DIR [LABEL=DIR ...]
+    python docs/complete_runs/tabulate.py [--plot PNG] [--majority LABEL=CONFIG] LABEL=DIR [LABEL=DIR ...]
 
 Each DIR holds ``seed<k>/`` run directories (``summary.json``, ``privacy_ledger.jsonl`` or ``.jsonl.gz``). Columns:
 final pooled / worst-client / worst-10 % accuracy, the same three as the mean over the last 5
 evaluations (one final evaluation is noisy, issue 12), Ψ, Jain, ε by RDP (the run's accountant)
-and by PRV (recomputed from the ledger with Opacus' PRVAccountant), rounds, wall time.
+and by PRV (recomputed from the ledger with Opacus' PRVAccountant; "—" for a run that is not DP), and
+which models that ε covers (``yes``: every evaluated model; ``NO, ...``: the run releases privately
+but evaluates models trained on raw data, e.g. DP-Ditto's personal models kept on the client;
+``not DP``), rounds, wall time. Only complete runs are tabulated: a seed whose summary says it
+did not complete (``status`` not ``completed``/``budget_spent``, or fewer rounds than planned) is
+left out and named in a comment line.
 ``--plot PNG`` also draws worst-client against pooled accuracy (means of the last 5 evaluations),
 one point per method, error bars one standard deviation over its seeds.
+``--majority LABEL=CONFIG`` adds a row computed without training: each client predicts the most
+frequent label of its own training split (:mod:`fedfdp.experiments.baselines`), on the split of
+CONFIG (a config or a run's ``config.yaml``), scored on the same test splits; it has no seeds,
+rounds or ε, and its last-5 columns equal its final ones.
 """
 
 from __future__ import annotations
@@ -34,6 +43,29 @@ def _prv(run_dir: Path, delta: float) -> float:
     return max(prv_epsilon(events, delta) for events in per_client.values())
 
 
+def complete(summary: dict) -> bool:
+    """Whether a run ran to its end (its round count or its privacy budget)."""
+    if "status" in summary:
+        return summary["status"] in ("completed", "budget_spent")
+    return summary["rounds_run"] >= summary["rounds_planned"]  # summaries written before ``status``
+
+
+def covers(run_dir: Path, summary: dict) -> str:
+    """Which models the run's ε covers (``evaluated_models_private``; derived from the config for
+    summaries written before that field: DP-Ditto with ``private_personal: false`` evaluates
+    personal models trained by plain SGD on the client)."""
+    if not summary.get("dp_valid") or summary.get("epsilon") is None:
+        return "not DP"
+    private = summary.get("evaluated_models_private")
+    if private is None:
+        import yaml
+
+        algorithm = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {})["model"]["algorithm"]
+        private = not (algorithm["class_path"].endswith("DPDitto")
+                       and (algorithm.get("init_args") or {}).get("private_personal") is False)
+    return "yes" if private else "NO: evaluated models not private"
+
+
 def row(run_dir: Path) -> dict[str, float]:
     s = json.loads((run_dir / "summary.json").read_text())
     final, evals = s["final"], [h for h in s["history"] if "accuracy_worst" in h][-5:]
@@ -41,11 +73,24 @@ def row(run_dir: Path) -> dict[str, float]:
     return {"pooled": 100 * final["accuracy"], "worst": 100 * final["accuracy_worst"],
             "worst10": 100 * final["accuracy_worst10"], "pooled5": 100 * last5["accuracy"],
             "worst5": 100 * last5["accuracy_worst"], "worst10_5": 100 * last5["accuracy_worst10"],
-            "psi": final["psi"], "jain": final["accuracy_jain"], "eps_rdp": s["epsilon"],
-            "eps_prv": _prv(run_dir, s["delta"]), "rounds": s["rounds_run"], "wall_min": s["wall_seconds"] / 60}
+            "psi": final["psi"], "jain": final["accuracy_jain"], "eps_rdp": s.get("epsilon"),
+            "eps_prv": _prv(run_dir, s["delta"]) if s.get("epsilon") is not None else None,
+            "rounds": s["rounds_run"], "wall_min": s["wall_seconds"] / 60}
 
 
-def _cell(values: list[float], digits: int) -> str:
+def majority_row(config: Path) -> dict[str, float]:
+    """The majority-label baseline of ``config``'s data split, in :func:`row`'s accuracy columns."""
+    from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
+
+    b = majority_label_baseline(datamodule_from_config(config))
+    return {"pooled": 100 * b["pooled"], "worst": 100 * b["worst"], "worst10": 100 * b["worst10"],
+            "pooled5": 100 * b["pooled"], "worst5": 100 * b["worst"], "worst10_5": 100 * b["worst10"],
+            "jain": b["jain"]}
+
+
+def _cell(values: list[float | None], digits: int) -> str:
+    if any(v is None for v in values):
+        return "—"
     if len(set(round(v, digits) for v in values)) == 1:  # one seed, or every seed alike
         return f"{values[0]:.{digits}f}"
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
@@ -54,7 +99,9 @@ def _cell(values: list[float], digits: int) -> str:
 COLUMNS = [("pooled", 2), ("worst", 2), ("worst10", 2), ("pooled5", 2), ("worst5", 2), ("worst10_5", 2),
            ("psi", 3), ("jain", 3), ("eps_rdp", 3), ("eps_prv", 3), ("rounds", 0), ("wall_min", 1)]
 HEADER = ("| method | seeds | pooled % | worst client % | worst 10 % | pooled, last 5 | worst, last 5 | "
-          "worst 10 %, last 5 | Ψ | Jain | ε RDP | ε PRV | rounds | wall min |")
+          "worst 10 %, last 5 | Ψ | Jain | ε RDP | ε PRV | ε covers evaluated models | rounds | wall min |")
+#: where the coverage column stands among the cells of COLUMNS
+_COVERS_AT = [k for k, _ in COLUMNS].index("rounds")
 
 
 def plot(path: Path, methods: list[tuple[str, list[dict[str, float]]]],
@@ -92,29 +139,50 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="also write this PNG (worst vs pooled)")
     parser.add_argument("--line", action="append", default=[], metavar="x|y=VALUE=LABEL",
                         help="a dashed reference line on the plot, e.g. 'x=85.99=paper claim'")
-    parser.add_argument("methods", nargs="+", metavar="LABEL=DIR")
+    parser.add_argument("--majority", action="append", default=[], metavar="LABEL=CONFIG",
+                        help="a row: each client predicts its training split's majority label (CONFIG's split)")
+    parser.add_argument("methods", nargs="*", metavar="LABEL=DIR")
     args = parser.parse_args(argv)
+    if not args.methods and not args.majority:
+        parser.error("give at least one LABEL=DIR or --majority LABEL=CONFIG")
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
+    for spec in args.majority:
+        label, config = spec.split("=", 1)
+        r = majority_row(Path(config))
+        cells = [_cell([r[k]], d) if k in r else "—" for k, d in COLUMNS]
+        cells.insert(_COVERS_AT, "no training")
+        print(f"| {label} | — | " + " | ".join(cells) + " |")
     methods: list[tuple[str, list[dict[str, float]]]] = []
     for spec in args.methods:
         label, folder = spec.split("=", 1)
-        runs = sorted(p for p in Path(folder).glob("seed*") if (p / "summary.json").exists())
+        found = sorted(p for p in Path(folder).glob("seed*") if (p / "summary.json").exists())
+        summaries = {p: json.loads((p / "summary.json").read_text()) for p in found}
+        runs = [p for p in found if complete(summaries[p])]
+        for p in sorted(set(found) - set(runs)):
+            print(f"<!-- {label} {p.name}: not complete ({summaries[p].get('status', 'no status')}, round "
+                  f"{summaries[p]['rounds_run']} of {summaries[p]['rounds_planned']}): left out -->")
         if not runs:
-            parser.error(f"{folder} holds no seed*/summary.json")
+            parser.error(f"{folder} holds no complete seed*/summary.json")
         rows = [row(p) for p in runs]
         methods.append((label, rows))
         seeds = " ".join(p.name.removeprefix("seed") for p in runs)
-        print(f"| {label} | {seeds} | " + " | ".join(_cell([r[k] for r in rows], d) for k, d in COLUMNS) + " |")
+        cells = [_cell([r[k] for r in rows], d) for k, d in COLUMNS]
+        coverage = sorted({covers(p, summaries[p]) for p in runs})
+        cells.insert(_COVERS_AT, " / ".join(coverage))
+        print(f"| {label} | {seeds} | " + " | ".join(cells) + " |")
     for spec in args.methods:
         for p in sorted(Path(spec.split("=", 1)[1]).glob("seed*")):
-            if (p / "summary.json").exists():
-                print(f"<!-- {spec.split('=', 1)[0]} {p.name}: " + json.dumps({k: round(v, 4) for k, v in row(p).items()})
-                      + " -->")
+            if (p / "summary.json").exists() and complete(json.loads((p / "summary.json").read_text())):
+                print(f"<!-- {spec.split('=', 1)[0]} {p.name}: "
+                      + json.dumps({k: (round(v, 4) if v is not None else None) for k, v in row(p).items()}) + " -->")
     if args.plot is not None:
         lines = [(a, float(v), text) for a, v, text in (spec.split("=", 2) for spec in args.line)]
         plot(args.plot, methods, lines)
 
 
 if __name__ == "__main__":
+    # this file's folder leaves the import path: torch's exit hook (imported with torchvision by
+    # --majority's datamodule) imports the ``tabulate`` package, which this script would shadow
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     main(sys.argv[1:])

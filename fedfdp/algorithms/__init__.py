@@ -11,6 +11,7 @@ from fedfdp.algorithms.finp import DPFinP, FinP
 from fedfdp.algorithms.alidpfl import ALIDPFL
 from fedfdp.algorithms.client_state import ClientStateStore
 from fedfdp.algorithms.ditto import DPDitto, Ditto
+from fedfdp.algorithms.local import DPLocalOnly, LocalOnly
 from fedfdp.algorithms.feddyn import DPFedDyn, FedDyn
 from fedfdp.algorithms.fedprox import DPFedProx, FedProx
 from fedfdp.algorithms.qffl import DPQFFL, QFFL
@@ -23,5 +24,5 @@ from fedfdp.algorithms.rcdpfl import RCDPFL
 __all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFinP",
            "FedFDPFairAgg", "DPFedAvgFairAgg", "DPFedAvgAdaClip",
            "ALIDPFL", "ClientStateStore", "DPDitto", "DPFedDyn", "DPFedProx", "DPQFFL", "DPScaffold",
-           "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold",
+           "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold", "LocalOnly", "DPLocalOnly",
            "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]

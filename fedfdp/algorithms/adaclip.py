@@ -102,7 +102,8 @@ from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask, randn
 from fedfdp.stacked import StackedStepSpec
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
+from fedfdp.privacy.uploads import POST_PROCESSING
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
 
 CountAccounting = Literal["split", "separate"]
 COUNT_ACCOUNTINGS: tuple[str, ...] = ("split", "separate")
@@ -240,7 +241,22 @@ class DPFedAvgAdaClip(DPFedAvg):
                           clip_bound=self.max_clip_bound)
         return [model, DPRelease(name="unclipped-count release", noise_field="algorithm.count_noise_std",
                                  noise_multiplier=2.0 * self.count_noise_std,
-                                 bound_field="the centred count's per-record bound", clip_bound=0.5)]
+                                 bound_field="the centred count's per-record bound", clip_bound=0.5,
+                                 kind=self._count_kind())]
+
+    def _count_kind(self) -> str:
+        """The DP event kind that charges the noisy count: the step's own event with ``split`` (Andrew
+        et al. Theorem 1: one SGM(q, σ) covers the pair), its own ``clip_count`` event with ``separate``."""
+        return MODEL_RELEASE if self.count_accounting == "split" else CLIP_COUNT_RELEASE
+
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The model; when adaptive, the noisy count (its release) and the client's next bound
+        (computed from released counts: post-processing)."""
+        fields = dict(super().upload_privacy())
+        if self.adaptive:
+            fields[f"extras.{COUNT_KEY}"] = self._count_kind()
+            fields[f"extras.{BOUND_KEY}"] = POST_PROCESSING
+        return fields
 
     # ---- client half ------------------------------------------------------------------------
     def step_batch(self, data: ClientData, bound: float, generator: RandomSource) -> LocalBatch:

@@ -98,6 +98,25 @@ class Algorithm:
         """
         return []
 
+    def upload_privacy(self) -> dict[str, str | None]:
+        """How each field of this algorithm's uploads is private: ``{field: kind}``.
+
+        Fields are ``"params"`` (the local model), ``"reported_loss"`` and ``"extras.<key>"``
+        (:class:`~fedfdp.types.ClientUpdate`). ``kind`` is the DP event kind that privatises the
+        field (a :class:`DPRelease` of that ``kind`` must be declared, and each upload must carry
+        an event of it), :data:`~fedfdp.privacy.uploads.POST_PROCESSING` for a field computed only
+        from charged releases and public values, or ``None``: not private. Fail-closed: the
+        default declares the model update not private, and a field an upload carries that no
+        component declares is not private either (:mod:`fedfdp.privacy.uploads`).
+        """
+        return {"params": None}
+
+    #: Whether every model that evaluation reports (:meth:`evaluation_groups`) is a function of
+    #: this algorithm's charged releases and public values only, so that the run's ε covers the
+    #: models it evaluates. False for models trained on raw data and kept on the client (e.g.
+    #: DP-Ditto's personal models with ``private_personal: false``).
+    evaluated_models_covered: ClassVar[bool] = True
+
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Server state to checkpoint."""

@@ -44,6 +44,14 @@ class ClientStateStore:
         """Client ids that hold any state."""
         return sorted(self._state)
 
+    def evaluation_groups(self, name: str, fallback: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
+        """Each client holding ``name`` evaluated on it alone; the rest together on ``fallback``
+        (``Algorithm.evaluation_groups`` of algorithms with per-client models)."""
+        own = [c for c in self.clients() if c < num_clients and self.has(c, name)]
+        groups: list[tuple[list[int], Tensor]] = [([c], self._state[c][name]) for c in own]
+        rest = [c for c in range(num_clients) if c not in set(own)]
+        return groups + ([(rest, fallback)] if rest else [])
+
     def num_bytes(self) -> int:
         """Memory held by the stored tensors."""
         return sum(t.numel() * t.element_size() for entry in self._state.values() for t in entry.values())

@@ -44,6 +44,7 @@ from fedfdp.privacy.release import add_gaussian_noise
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask
+from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
 
 if TYPE_CHECKING:
@@ -114,11 +115,6 @@ class ClusteredDPFL(Algorithm):
                 f"algorithm.selection_rounds must be >= 1 or null, got {selection_rounds}")
         self.selection, self.selection_epsilon, self.selection_rounds = selection, selection_epsilon, selection_rounds
 
-    @property
-    def dp_valid(self) -> bool:
-        """False when cluster selections are released without privacy (selection='loss')."""
-        return self.selection != "loss"
-
     def setup(self, federation: Federation) -> None:
         """Fix the schedule, calibrate or check z_i against the budget, initialise the models."""
         name = type(self).__name__
@@ -165,10 +161,16 @@ class ClusteredDPFL(Algorithm):
         if self.selection == "loss":
             releases.append(DPRelease(
                 name="cluster selection (argmin of training losses)", noise_field="algorithm.selection=loss: noise",
-                noise_multiplier=0.0, bound_field="algorithm.selection", clip_bound=math.inf,
+                noise_multiplier=0.0, bound_field="algorithm.selection", clip_bound=math.inf, kind=SELECTION_RELEASE,
                 fix="use algorithm.selection: private, or set RDPAccounting.allow_non_private: true to run the "
                     "seed's unaccounted selection for analysis"))
         return releases
+
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The DP-SGD model and the cluster index: the server's assignment (public), or in a selection
+        round the private selection's output (charged as a ``selection`` event), both public or
+        charged; with ``selection: loss`` the index is an unnoised argmin of training losses."""
+        return {"params": MODEL_RELEASE, "extras.cluster": None if self.selection == "loss" else POST_PROCESSING}
 
     def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
         """``M × p`` initial cluster models: all equal to ``θ^init`` by default."""
@@ -236,6 +238,8 @@ class ClusteredDPFL(Algorithm):
 
     def client_start_params(self, client_id: int, global_params: Tensor, context: RoundContext) -> Tensor:
         """``θ_{R(i)}``, the model of the client's assigned cluster."""
+        # built in setup (or restored) before the module is on its device: follow the global model
+        self.cluster_models = self.cluster_models.to(global_params.device)
         return self.cluster_models[int(self.assignment[client_id])]
 
     def cluster_labels(self, updates: list[ClientUpdate], context: RoundContext) -> list[int] | None:
@@ -263,6 +267,7 @@ class ClusteredDPFL(Algorithm):
 
     def evaluation_groups(self, global_params: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
         """One group per non-empty cluster: its clients are evaluated with its model."""
+        self.cluster_models = self.cluster_models.to(global_params.device)
         return [(np.flatnonzero(self.assignment == m).tolist(), self.cluster_models[m])
                 for m in range(len(self.cluster_models)) if np.any(self.assignment == m)]
 

@@ -79,7 +79,10 @@ class _Ditto:
         wrapped = TermClient(client, lambda v: lam * (v - start))
         personal_update = self.personal_update(wrapped, data, context, personal_gen)
         self.client_state.set(data.client_id, "personal", personal_update.params)
-        update.dp_events = update.dp_events + personal_update.dp_events
+        # exactly the round's events: the parent's steps once per charged phase (each phase's own
+        # upload already lists this class's planned events, i.e. both phases: adding them would
+        # charge every step twice)
+        update.dp_events = list(self.planned_dp_events(data.client_id, data.size))
         return update
 
     def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
@@ -90,10 +93,7 @@ class _Ditto:
 
     def evaluation_groups(self, global_params: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:
         """Each client with a personal model evaluates it; the others use ``w_t``."""
-        personal = [c for c in self.client_state.clients() if c < num_clients]
-        groups: list[tuple[list[int], Tensor]] = [([c], self.client_state.get(c, "personal")) for c in personal]
-        rest = [c for c in range(num_clients) if c not in set(personal)]
-        return groups + ([(rest, global_params)] if rest else [])
+        return self.client_state.evaluation_groups("personal", global_params, num_clients)
 
     def state_dict(self) -> dict[str, Any]:
         """The personal models."""
@@ -155,6 +155,8 @@ class DPDitto(_Ditto, DPFedAvg):
                 f"algorithm.personal_steps must be >= 1 and needs private_personal: false (private personal steps "
                 f"take local_steps), got {personal_steps}")
         self.private_personal = bool(private_personal)
+        # the personal models are evaluated: covered by ε only when their steps are charged
+        self.evaluated_models_covered = self.private_personal
         self.personal_lr = lr if personal_lr is None else personal_lr
         self.personal_steps = local_steps if personal_steps is None else personal_steps
 

@@ -75,6 +75,10 @@ class DPFedAvg(Algorithm):
                           noise_multiplier=self.noise_multiplier, bound_field="algorithm.max_grad_norm",
                           clip_bound=self.max_grad_norm)]
 
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The local model is the output of the DP-SGD steps (kind ``model``)."""
+        return {"params": MODEL_RELEASE}
+
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
         """``local_steps`` private steps, each on a fresh Poisson batch."""

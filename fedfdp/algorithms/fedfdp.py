@@ -58,11 +58,6 @@ class FedFDP(BroadcastLoss, DPFedAvg):
         self.fair_clip_mode = fair_clip_mode
         self._init_broadcast_loss(initial_broadcast_loss)
 
-    @property
-    def dp_valid(self) -> bool:
-        """False only for the literal ``paper_raw`` rule, whose contributions are unbounded."""
-        return self.fair_clip_mode != "paper_raw"
-
     def dp_releases(self) -> list[DPRelease]:
         """The model update; ``paper_raw`` leaves negative fair-clip factors unbounded (C = ∞)."""
         releases = super().dp_releases()

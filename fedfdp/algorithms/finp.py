@@ -94,6 +94,14 @@ class _FinPMixin:
         update.diagnostics["finp_rho"] = rho
         return update
 
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The parent's fields plus the curvature statistics: a ``curvature`` release on DP clients,
+        exact (not private) otherwise."""
+        fields = dict(super().upload_privacy())  # type: ignore[misc]
+        if self.needs_curvature:
+            fields["extras.finp_curvature"] = CURVATURE_RELEASE if isinstance(self, DPFedAvg) else None
+        return fields
+
     def _curvature(self, client: Any, data: ClientData, round_idx: int) -> Tensor:
         gen = torch_generator(self._seed, "finp-curvature", round_idx, data.client_id)
         if isinstance(self, DPFedAvg):
@@ -110,7 +118,8 @@ class _FinPMixin:
         if isinstance(self, DPFedAvg):
             bound = self.curvature_bound
             std = self.curvature_noise_multiplier * math.sqrt(2) * bound  # sensitivity of the 2-vector: √2 C_h
-            stats = add_gaussian_noise([stats.clamp(0.0, bound)], std, source)[0]
+            # noise from the client's source on its device; the 2-vector stays on the host
+            stats = add_gaussian_noise([stats.clamp(0.0, bound).to(source.device)], std, source)[0].cpu()
         return stats
 
     def _curvature_events(self, size: int) -> list[tuple[str, DPEvent]]:
@@ -234,5 +243,6 @@ class DPFinP(_FinPMixin, DPFedAvg):
         if self.needs_curvature:
             releases.append(DPRelease(name="curvature upload", noise_field="algorithm.curvature_noise_multiplier",
                                       noise_multiplier=self.curvature_noise_multiplier,
-                                      bound_field="algorithm.curvature_bound", clip_bound=self.curvature_bound))
+                                      bound_field="algorithm.curvature_bound", clip_bound=self.curvature_bound,
+                                      kind=CURVATURE_RELEASE))
         return releases

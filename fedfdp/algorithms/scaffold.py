@@ -24,6 +24,7 @@ from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import GradTerm, GradTermMixin
 from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import ClientUpdate, RoundContext
 
 _DELTA = "scaffold_delta_c"
@@ -44,6 +45,11 @@ class _Scaffold(GradTermMixin):
         """Remember N for the server's control-variate update."""
         super().setup(federation)  # type: ignore[misc]
         self.num_clients = federation.num_clients
+
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The parent's fields, plus ``Δc_i``: computed from the uploaded local model, ``w_t``, ``c`` and
+        ``c_i`` (itself computed so), it is post-processing of the model release (private when that is)."""
+        return {**super().upload_privacy(), f"extras.{_DELTA}": POST_PROCESSING}  # type: ignore[misc]
 
     def grad_term(self, client_id: int, start: Tensor, context: RoundContext) -> GradTerm:
         """The constant correction ``c − c_i``."""

@@ -100,6 +100,9 @@ class NodeSettings:
 class _NodeCLI(FedFDPCLI):
     """The config's parser and classes without a run directory, loggers or checkpoints (a node writes none)."""
 
+    def check_trainer_options(self, parser: Any) -> None:
+        """Nothing to check: the node's trainer is never fitted (and has no checkpoints by design)."""
+
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """A plain trainer holding the config's callbacks (never fitted on a node)."""
         return LightningCLI.instantiate_trainer(self, **kwargs)

@@ -57,9 +57,9 @@ def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
     """Refuse, with one line, an algorithm or callback that cannot run with its clients on nodes.
 
     A ClientApp lives for one message, so an algorithm whose local update keeps per-client state
-    between rounds (``supports_distributed = False``: SCAFFOLD, FedDyn, Ditto, q-FFL, ALI-DPFL,
-    FinP, the clustered family) has nowhere to keep it; audits that read every client's data on
-    the server have no data there.
+    between rounds (``supports_distributed = False``: SCAFFOLD, FedDyn, Ditto, local-only training,
+    q-FFL, ALI-DPFL, FinP, the clustered family) has nowhere to keep it; audits that read every
+    client's data on the server have no data there.
     """
     if not algorithm.supports_distributed:
         raise ConfigError(f"{type(algorithm).__name__} keeps per-client state between rounds inside the local update; "

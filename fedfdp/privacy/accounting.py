@@ -137,7 +137,9 @@ def _epsilon_from_rdp(rdp: np.ndarray, orders: tuple[float, ...], delta: float) 
     if not np.any(rdp > 0):  # nothing released: (0, 0)-DP, as the authors' compute_eps returns
         return 0.0
     eps, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
-    return float(eps)
+    # Balle et al.'s conversion goes below 0 for large δ; ε < 0 means nothing ((ε, δ)-DP is
+    # monotone in ε), so the tightest true statement is ε = 0
+    return max(0.0, float(eps))
 
 
 def epsilon_of(events: Iterable[DPEvent], delta: float,
@@ -195,7 +197,7 @@ def _prv_epsilon_cached(history: tuple[tuple[float, float, int], ...], delta: fl
         return 0.0
     accountant = PRVAccountant()
     accountant.history = list(history)
-    return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
+    return max(0.0, float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR)))  # ε < 0 means nothing
 
 
 class PrivacyLedger:

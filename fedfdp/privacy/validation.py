@@ -45,6 +45,9 @@ class DPRelease:
     clip_bound: float
     fix: str | None = None
     """How to give the release a guarantee, when it is not "raise the noise field above 0"."""
+    kind: str = "model"
+    """The DP event kind it charges (``fedfdp.types.MODEL_RELEASE``, ``LOSS_RELEASE``, ...): the upload
+    fields declared private by this kind are covered by it (:mod:`fedfdp.privacy.uploads`)."""
 
 
 def check_releases(releases: list[DPRelease]) -> None:

@@ -16,8 +16,8 @@ from torch import nn
 
 from callbacks import FederationCallback, NoisyGlobalLossReporting, NoisyLossReporting, RDPAccounting
 from fedfdp.algorithms import (ALIDPFL, IFCA, RCDPFL, ClusteredDPFL, DPDitto, DPFedAvg, DPFedAvgAdaClip,
-                               DPFedAvgFairAgg, DPFedDyn, DPFedProx, DPFinP, DPQFFL, DPScaffold, FedAvg, FedFDP,
-                               FedFDPFairAgg)
+                               DPFedAvgFairAgg, DPFedDyn, DPFedProx, DPFinP, DPLocalOnly, DPQFFL, DPScaffold, FedAvg,
+                               FedFDP, FedFDPFairAgg)
 from fedfdp.errors import ConfigError
 from fedfdp.privacy.per_sample import GhostEngine, VmapEngine, per_sample_cross_entropy
 from fedfdp.privacy.release import clipped_loss_sum, noisy_loss_release
@@ -29,7 +29,7 @@ DP = dict(lr=0.5, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
 
 #: every DP algorithm of the FedFDP family (the clustered family is checked below)
 DP_ALGORITHMS = [DPFedAvg, FedFDP, DPFedProx, DPScaffold, DPFedDyn, DPQFFL, ALIDPFL, DPDitto, DPFinP,
-                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip]
+                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip, DPLocalOnly]
 
 
 def _callbacks(algorithm) -> list:

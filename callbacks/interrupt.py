@@ -1,0 +1,110 @@
+"""Stopping a run on SIGTERM or SIGINT at a round boundary, with a checkpoint and the truth.
+
+A cluster scheduler (or ``timeout``) sends SIGTERM before it kills a job; Ctrl-C sends SIGINT.
+Lightning's own handling ends ``fit`` as if the run had finished (SIGTERM: exit status 0) or
+exits without a checkpoint (SIGINT). Here the first signal lets the round in progress finish
+(its releases are already charged), then the run saves ``checkpoints/last.ckpt``, writes
+``summary.json`` with ``status: interrupted`` and stops; the command then exits with
+``128 + signal`` (130 for SIGINT, 143 for SIGTERM), and ``--ckpt_path last`` continues the run to
+the same end as an uninterrupted one (every random stream is keyed by round and client). A
+second signal stops at once (``KeyboardInterrupt``), as the shell user who presses Ctrl-C twice
+expects.
+
+Written by hand: Lightning has no callback that checkpoints on a signal outside SLURM requeueing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+logger = logging.getLogger(__name__)
+
+#: The signals that stop a run gracefully (SIGHUP: the terminal closed). A signal the process
+#: inherited as ignored (``nohup`` ignores SIGHUP, a shell's background job SIGINT) stays ignored.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def exit_status(signum: int) -> int:
+    """The shell's exit status of a process stopped by ``signum`` (130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+    return 128 + int(signum)
+
+
+class GracefulInterrupt(Callback):
+    """On SIGTERM/SIGINT: finish the round, checkpoint, stop with ``status: interrupted``.
+
+    The signal received is kept in ``federation.stop_signal`` (read by :class:`callbacks.RunSummary`
+    and by the command line for the exit status).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._module: LightningModule | None = None
+
+    # ---- handlers -------------------------------------------------------------------------------
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # the second signal: stop now
+            self._restore()
+            if self._module is not None:
+                self._module.stop_signal = signum  # type: ignore[assignment]
+            raise KeyboardInterrupt
+        self.signum = signum
+        logger.warning("received %s: stopping after the round in progress (checkpoint, summary with status "
+                       "interrupted); send it again to stop at once", signal.Signals(signum).name)
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (e.g. a run inside a worker)
+        for sig in STOP_SIGNALS:
+            previous = signal.getsignal(sig)
+            if previous == signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Install the handlers (after Lightning's, which would end the run as if it had finished)."""
+        self.signum = None
+        self._module = pl_module
+        self._install()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """At the round boundary after a signal: checkpoint and stop (all processes agree)."""
+        stop = trainer.strategy.reduce_boolean_decision(self.signum is not None, all=False)
+        if not stop:
+            return
+        pl_module.stop_signal = self.signum if self.signum is not None else int(signal.SIGTERM)  # type: ignore[assignment]
+        path = self.checkpoint_path(trainer)
+        if path is not None:
+            trainer.save_checkpoint(path)
+            logger.warning("interrupted after round %d: checkpoint %s; resume with --ckpt_path last",
+                           trainer.global_step, path)
+        trainer.should_stop = True
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Give the signals back to their previous handlers."""
+        self._restore()
+
+    @staticmethod
+    def checkpoint_path(trainer: Trainer) -> Path | None:
+        """``last.ckpt`` in the run's checkpoint folder (what ``--ckpt_path last`` resumes from)."""
+        checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        if not checkpoints:
+            return None
+        cb = checkpoints[0]
+        return Path(str(cb.dirpath)) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"

@@ -1,0 +1,200 @@
+"""Privacy claims that cannot be wrong: ``dp_valid`` and ``evaluated_models_private`` fail closed.
+
+A run claims (ε, δ)-DP only when every field of every upload is declared private, covered by a
+declared, checked release and charged; δ must be below 1/n; ε is never negative; and the run says
+whether its ε covers the models it evaluates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from callbacks import LossReporting, NoisyLossReporting, RDPAccounting
+from callbacks.summary import privacy_claims
+from fedfdp.algorithms import Algorithm, DPDitto, DPFedAvg, FedAvg, FedFair, FedFDP
+from fedfdp.errors import ConfigError, PrivacyError
+from fedfdp.fit import main
+from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.privacy.uploads import POST_PROCESSING, unprotected_fields
+from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate
+from tests.helpers import run_federation, tiny_data
+from tests.test_cli import TINY
+
+DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+
+
+def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+# ---- 1. a non-private algorithm with DP callbacks is refused ---------------------------------------
+def test_non_private_algorithm_with_dp_callbacks_is_refused_before_the_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
+                 "--model.algorithm.init_args.lr", "0.05"])
+    err = _errors(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "FedAvg" in err[0] and "model update" in err[0] and "allow_non_private" in err[0]
+    assert not run_dir.exists()
+
+
+def test_allow_non_private_runs_it_with_no_claim(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
+                 "--model.algorithm.init_args.lr", "0.05", "--trainer.callbacks.init_args.allow_non_private", "true"])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dp_valid"] is False and summary["evaluated_models_private"] is False
+    assert math.isinf(summary["epsilon"])
+
+
+class _Silent(Algorithm):
+    """An algorithm that declares nothing (a user's new module): its uploads are not private."""
+
+    def local_update(self, client, data, context, generator):  # noqa: D102 - never reached
+        raise AssertionError("refused before training")
+
+
+def test_an_algorithm_that_declares_nothing_is_not_private():
+    with pytest.raises(ConfigError, match="_Silent: the model update leaves each client without clipping"):
+        run_federation(_Silent(), [RDPAccounting(target_epsilon=5.0)])
+
+
+# ---- 2. every upload field actually released must be covered ---------------------------------------
+class _Smuggler(DPFedAvg):
+    """DP-FedAvg that also uploads an undeclared statistic of its data."""
+
+    def local_update(self, client, data, context, generator):  # noqa: D102
+        update = super().local_update(client, data, context, generator)
+        update.extras["label_counts"] = torch.bincount(data.y, minlength=4).float()
+        return update
+
+
+class _Uncharged(DPFedAvg):
+    """DP-FedAvg that forgets to charge its model release."""
+
+    def local_update(self, client, data, context, generator):  # noqa: D102
+        update = super().local_update(client, data, context, generator)
+        update.dp_events = []
+        return update
+
+
+class _Trace(RDPAccounting):
+    """The accountant, recording which clients' releases reached the ledger."""
+
+    charged: list[int] = []
+
+    def on_client_release(self, trainer, federation, update):  # noqa: D102
+        super().on_client_release(trainer, federation, update)
+        self.charged.append(update.client_id)
+
+
+@pytest.mark.parametrize(("algorithm", "field"), [(_Smuggler(**DP), "extras['label_counts']"),
+                                                  (_Uncharged(**DP), "model update (no 'model' DP event")],
+                         ids=["undeclared-extra", "uncharged-model"])
+def test_an_upload_with_an_unprotected_field_never_leaves(algorithm, field):
+    accountant = _Trace()
+    accountant.charged = []
+    with pytest.raises(PrivacyError, match=r"round 1: client 0's upload carries " + field.replace("(", r"\(")
+                       .replace("[", r"\[")):
+        run_federation(algorithm, [accountant])
+    assert accountant.charged == []  # refused before it was charged, and so before it left
+
+
+def test_unprotected_fields_checks_each_field_against_declaration_and_events():
+    update = ClientUpdate(client_id=0, params=torch.zeros(2), num_examples=1, reported_loss=1.0,
+                          extras={"delta_c": torch.zeros(2)})
+    declared = {"params": MODEL_RELEASE, "reported_loss": LOSS_RELEASE, "extras.delta_c": POST_PROCESSING}
+    assert len(unprotected_fields(update, declared)) == 2  # no event charged for params and loss
+    update.dp_events = [(MODEL_RELEASE, DPEvent(noise_multiplier=1.0, sample_rate=0.1)), (LOSS_RELEASE, DPEvent(noise_multiplier=5.0, sample_rate=0.1))]
+    assert unprotected_fields(update, declared) == []
+    assert unprotected_fields(update, {**declared, "reported_loss": None}) == ["reported loss"]
+    del declared["extras.delta_c"]
+    assert unprotected_fields(update, declared) == ["extras['delta_c'] (declared by no component)"]
+
+
+def test_exact_loss_reporting_with_a_dp_algorithm_is_refused():
+    """FedFDP's model update is private, but an exact loss upload beside it is not."""
+    with pytest.raises(ConfigError, match="reported loss leaves each client without clipping"):
+        run_federation(DPFedAvg(**DP), [LossReporting(), RDPAccounting(target_epsilon=5.0)])
+
+
+# ---- 3. δ and ε -------------------------------------------------------------------------------------
+def test_delta_at_or_above_one_over_the_smallest_client_is_refused():
+    data = tiny_data()
+    data.setup("fit")
+    n = min(int(s) for s in data.train_sizes)
+    with pytest.raises(ConfigError, match=rf"delta=.* guarantees nothing: it must be in \(0, 1/n\) with n = {n}"):
+        run_federation(DPFedAvg(**DP), [RDPAccounting(delta=1.0 / n)], data=tiny_data())
+    fed, trainer = run_federation(DPFedAvg(**DP), [RDPAccounting(delta=0.99 / n)], rounds=1, data=tiny_data())
+    assert privacy_claims(trainer, fed)["dp_valid"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sigma=st.floats(0.3, 20.0), q=st.floats(0.001, 1.0), steps=st.integers(1, 2000),
+       delta=st.floats(1e-12, 0.999))
+def test_epsilon_is_never_negative(sigma, q, steps, delta):
+    for accountant in ("rdp", "prv"):
+        if accountant == "prv" and (steps > 200 or q < 0.01 or sigma < 0.5):
+            continue  # PRV's discretisation is slow/ill-posed far out; the clamp is the same
+        assert epsilon_of([DPEvent(noise_multiplier=sigma, sample_rate=q, steps=steps)], delta, accountant=accountant) >= 0.0
+
+
+# ---- 4. which models ε covers ---------------------------------------------------------------------
+@pytest.mark.parametrize(("make", "callbacks", "dp_valid", "evaluated_private"), [
+    (lambda: DPFedAvg(**DP), lambda: [RDPAccounting()], True, True),
+    (lambda: FedFDP(**DP), lambda: [NoisyLossReporting(), RDPAccounting()], True, True),
+    (lambda: DPDitto(**DP, private_personal=True), lambda: [RDPAccounting()], True, True),
+    (lambda: DPDitto(**DP, private_personal=False, personal_lr=0.05), lambda: [RDPAccounting()], True, False),
+    (lambda: FedAvg(lr=0.1), lambda: [], False, False),
+    (lambda: FedFair(lr=0.1), lambda: [LossReporting()], False, False),
+], ids=["dpfedavg", "fedfdp", "dp-ditto-private", "dp-ditto-personal-kept", "fedavg", "fedfair"])
+def test_summary_claims(make, callbacks, dp_valid, evaluated_private):
+    fed, trainer = run_federation(make(), callbacks(), rounds=1)
+    assert privacy_claims(trainer, fed) == {"dp_valid": dp_valid, "evaluated_models_private": evaluated_private}
+
+
+def test_summary_json_and_report_say_which_models_epsilon_covers(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["--config", TINY, "--run_dir", str(run_dir)]) == 0, capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dp_valid"] is True and summary["evaluated_models_private"] is True
+    report = (run_dir / "report.md").read_text()
+    assert "ε covers every release and every evaluated model" in report
+
+
+def test_every_shipped_dp_config_declares_every_upload_private(tmp_path):
+    """Every config with an accountant and no allow_non_private builds a run whose claims hold."""
+    import yaml
+
+    from fedfdp.fit import build_cli
+
+    repo = Path(__file__).resolve().parents[2]
+    checked = 0
+    for path in sorted((repo / "configs").rglob("*.yaml")):
+        text = path.read_text()
+        if "RDPAccounting" not in text or "allow_non_private: true" in text:
+            continue
+        config = yaml.safe_load(text)
+        if config.get("data", {}).get("class_path", "").endswith(("CIFAR10DataModule", "HARDataModule")):
+            continue  # data not available offline; their algorithms appear in FMNIST/MNIST configs too
+        cli = build_cli(["--config", str(path), "--run_dir", str(tmp_path / "_".join(path.relative_to(repo).parts)), "--wandb", "disabled"])
+        accountant = next(cb for cb in cli.trainer.callbacks if isinstance(cb, RDPAccounting))
+        fed = cli.model
+        fed.trainer = cli.trainer  # federation_callbacks() reads the trainer's callbacks
+        from fedfdp.privacy.uploads import declared_upload_privacy, unprotected_declarations
+
+        releases = list(fed.algorithm.dp_releases())
+        for cb in [c for c in cli.trainer.callbacks if hasattr(c, "dp_releases")]:
+            releases.extend(cb.dp_releases(fed))
+        assert unprotected_declarations(declared_upload_privacy(fed), releases) == [], path
+        assert accountant.allow_non_private is False
+        checked += 1
+    assert checked >= 20

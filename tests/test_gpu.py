@@ -1,0 +1,64 @@
+"""On a CUDA device: algorithms that build state or draw probes before the module moves to its device.
+
+Cluster models (RC-DPFL, k-means CDPFL, IFCA) are built in ``setup``, before Lightning moves the
+federation to the GPU; ClusterMetrics keeps the initial network from ``setup``; FinP draws its
+Hessian probes from a CPU stream and noises its curvature upload with the client's generator.
+Each runs a few rounds on the GPU. Skipped without CUDA (``gpu`` marker, see conftest).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from callbacks import ClusterMetrics, RDPAccounting
+from datamodules import ClusteredDigitsDataModule
+from fedfdp import ClientModule, Federation
+from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL
+from fedfdp.algorithms.finp import DPFinP, FinP
+from fedfdp.models import TinyCNN
+from tests.helpers import tiny_client, tiny_data
+
+pytestmark = pytest.mark.gpu
+
+CLUSTERED = dict(num_clusters=3, lr=0.1, batch_size=10, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def fit_on_gpu(fed: Federation, data, callbacks: list) -> Trainer:
+    trainer = Trainer(accelerator="gpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, max_epochs=-1, num_sanity_val_steps=0, limit_val_batches=0,
+                      callbacks=callbacks)
+    trainer.fit(fed, datamodule=data)
+    assert trainer.strategy.root_device.type == "cuda"
+    return trainer
+
+
+@pytest.mark.parametrize("algorithm", [RCDPFL, KMCDPFL, IFCA])
+def test_clustered_algorithms_and_cluster_metrics_run_on_cuda(algorithm):
+    torch.manual_seed(0)
+    kwargs = CLUSTERED if algorithm is KMCDPFL else CLUSTERED | {"selection_epsilon": 1.0}
+    fed = Federation(ClientModule(TinyCNN(channels=4)), algorithm(**kwargs), num_rounds=3, seed=0, eval_every=3,
+                     eval_train_splits=False)
+    data = ClusteredDigitsDataModule(cluster_sizes=(2, 3, 3), train_per_client=60, test_per_client=20,
+                                     sampling="overlap")
+    accountant = RDPAccounting(delta=1e-4)
+    fit_on_gpu(fed, data, [accountant, ClusterMetrics(reference_epochs=1)])
+    assert fed.algorithm.cluster_models.device.type == "cuda"
+    assert math.isfinite(fed.last_evaluation.scalars["acc_all"]) and 0 < accountant.epsilon() < math.inf
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_finp_curvature_upload_runs_on_cuda(private):
+    if private:
+        alg = DPFinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0,
+                     lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+    else:
+        alg = FinP(server_agg="ala", lr=0.1, batch_size=32, curvature_samples=16, curvature_iters=5)
+    accountant = RDPAccounting()
+    fit_on_gpu(Federation(tiny_client(), alg, num_rounds=2, seed=0), tiny_data(), [accountant] if private else [])
+    assert set(alg.rho) == {0, 1, 2} and all(0.0 <= r <= 1.0 for r in alg.rho.values())
+    if private:
+        assert 0 < accountant.epsilon() < math.inf
