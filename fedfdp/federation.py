@@ -192,8 +192,8 @@ class Federation(FederationEvaluation, LightningModule):
         run is written. Evaluation mode (no BatchNorm statistics updated, no dropout draws): the
         check changes no state and consumes no random number."""
         client = next((c for c in range(self.num_clients) if int(self.datamodule.train_sizes[c]) > 0), None)
-        if client is None:
-            return
+        if client is None or not getattr(self.datamodule, "holds_samples", True):
+            return  # no data here (a Flower server: the samples stay on the nodes)
         x, _ = self.datamodule.client_train(client)
         net, training = self.client.net, self.client.net.training
         net.eval()

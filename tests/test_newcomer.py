@@ -114,12 +114,12 @@ def test_network_probe_never_hangs():
 
 
 # ------------------------------------------------------------------ 2. one clear line per mistake
-def test_partition_of_7000_clients_fails_in_under_a_second():
+def test_partition_of_7000_clients_fails_fast():
     labels = np.repeat(np.arange(10), 7000)  # FashionMNIST's 70,000 merged labels
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=r"^min_size=10 .*impossible in practice"):
         dirichlet_partition(labels, 7000, 0.1, rng=np.random.default_rng(1))
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # ~0.2 s idle; it took 115 s before (a loaded CI needs slack)
 
 
 def test_dirichlet_suggestion_is_a_valid_setting_that_works():

@@ -88,7 +88,7 @@ def test_divergence_stops_with_round_and_client(tmp_path, capsys):
                  "--model.algorithm", "fedfdp.algorithms.FedAvg", "--model.algorithm.init_args.lr", "1e38",
                  "--trainer.callbacks", "[]", "--model.num_rounds", "5"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(err) == 1
+    assert code == 3 and len(err) == 1  # exit status 3: diverged
     assert "round" in err[0] and "client" in err[0] and "non-finite" in err[0]
 
 

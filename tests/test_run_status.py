@@ -182,3 +182,18 @@ def test_metrics_csv_has_a_round_column_equal_to_the_round(tmp_path, capsys):
     assert [int(r["round"]) for r in rows] == [1, 2, 3]
     assert all(int(r["round"]) == int(r["step"]) + 1 for r in rows)
     assert list(rows[0])[:2] == ["round", "step"]
+
+
+@pytest.mark.parametrize("args", [["--trainer.max_steps", "5"], ["--trainer.callbacks.init_args.delta", "0.5"],
+                                  [NET + "num_classes", "3"], ["--model.algorithm", "fedfdp.algorithms.FedAvg"]],
+                         ids=["trainer-option", "delta", "num-classes", "non-private-algorithm"])
+def test_a_refused_resume_of_an_earlier_run_changes_none_of_its_files(tmp_path, capsys, args):
+    import hashlib
+
+    run_dir = tmp_path / "run"
+    assert main(["--config", TINY, "--run_dir", str(run_dir)]) == 0
+    capsys.readouterr()
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run_dir.rglob("*") if p.is_file()}
+    assert main(["--config", TINY, "--run_dir", str(run_dir), "--ckpt_path", "last", *args]) == 2
+    assert len(_errors(capsys)) == 1
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run_dir.rglob("*") if p.is_file()} == before

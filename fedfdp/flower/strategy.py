@@ -111,6 +111,9 @@ class RemoteClients(FederatedDataModule):
         self.test_sizes = np.array([nodes[c].test_size for c in order], dtype=np.int64)
         self.val_sizes = np.array([nodes[c].val_size for c in order], dtype=np.int64)
 
+    #: the samples stay on the nodes (the federation's start-up checks that read data skip them)
+    holds_samples = False
+
     def setup(self, stage: str | None = None) -> None:
         """Nothing to load: the samples stay on the nodes."""
 

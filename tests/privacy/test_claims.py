@@ -198,3 +198,26 @@ def test_every_shipped_dp_config_declares_every_upload_private(tmp_path):
         assert accountant.allow_non_private is False
         checked += 1
     assert checked >= 20
+
+
+def test_the_wandb_run_summary_gets_the_claims_and_status():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from callbacks.summary import _to_wandb_summary
+
+    class _Logger(WandbLogger):
+        def __init__(self) -> None:  # no W&B run: only its summary dictionary
+            self.run = SimpleNamespace(summary={})
+
+        @property
+        def experiment(self):  # noqa: D102
+            return self.run
+
+    lg = _Logger()
+    summary = {"status": "budget_spent", "dp_valid": True, "evaluated_models_private": False, "epsilon": 3.5,
+               "rounds_run": 7, "final": {"accuracy": 0.9}}
+    _to_wandb_summary(SimpleNamespace(loggers=[lg]), summary)
+    assert lg.run.summary == {"status": "budget_spent", "dp_valid": True, "evaluated_models_private": False,
+                              "epsilon": 3.5, "rounds_run": 7}
