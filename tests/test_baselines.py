@@ -336,3 +336,11 @@ def test_ditto_private_personal_lr_is_used_and_plain_personal_needs_a_step_size(
     assert same_model(a, b)  # the global phase is unchanged
     pa, pb = (alg.client_state.get(0, "personal") for alg in (a.algorithm, b.algorithm))
     assert not torch.equal(pa, pb)
+
+
+def test_ditto_refuses_a_personal_step_whose_proximal_term_overshoots():
+    """v ← v − lr·λ(v − w_t) grows without bound when lr·λ > 2 (a DP-Ditto run at lr 40, λ 0.1 ended at
+    chance accuracy): refused with one line naming both fields."""
+    with pytest.raises(ConfigError, match=r"personal_lr × personal_weight = 40 × 0.1 = 4 must be < 2"):
+        DPDitto(personal_weight=0.1, lr=40.0, sample_rate=0.1, max_grad_norm=0.1, noise_multiplier=2.0)
+    DPDitto(personal_weight=0.01, lr=40.0, personal_lr=20.0, sample_rate=0.1, max_grad_norm=0.1, noise_multiplier=2.0)

@@ -154,6 +154,11 @@ class DPDitto(_Ditto, DPFedAvg):
         require(personal_steps is None or (personal_steps >= 1 and not private_personal),
                 f"algorithm.personal_steps must be >= 1 and needs private_personal: false (private personal steps "
                 f"take local_steps), got {personal_steps}")
+        # the proximal term's step v ← v − lr·λ(v − w_t) overshoots and grows when lr·λ > 2
+        lr_personal = lr if personal_lr is None else personal_lr
+        require(lr_personal * personal_weight < 2, f"algorithm.personal_lr × personal_weight = "
+                f"{lr_personal:g} × {personal_weight:g} = {lr_personal * personal_weight:g} must be < 2 (the "
+                f"proximal step overshoots and the personal model diverges); lower either")
         self.private_personal = bool(private_personal)
         # the personal models are evaluated: covered by ε only when their steps are charged
         self.evaluated_models_covered = self.private_personal
