@@ -69,6 +69,8 @@ class RDPAccounting(FederationCallback):
             reported as infinite. Off by default: such a run is refused at start.
     """
 
+    is_privacy_accountant = True
+
     def __init__(self, *, target_epsilon: float | None = None, delta: float = 1e-5,
                  orders: Literal["paper", "opacus"] = "paper", accounting_mode: AccountingMode = "theorem2",
                  rounds_rule: Literal["strict", "paper_code"] = "strict", accountant: Accountant = "rdp",
@@ -302,6 +304,26 @@ class RDPAccounting(FederationCallback):
                 f"round {federation.current_round + 1}: client {update.client_id}'s upload charges epsilon "
                 f"{spent:.4f}, over RDPAccounting.target_epsilon={self.target_epsilon} (more than the round's "
                 f"planned DP events); it was not released")
+
+    def charge_release(self, federation: Federation, client_id: int, events: list[tuple[str, DPEvent]]) -> None:
+        """Charge a release a client makes outside its uploads (once, e.g. a noisy label histogram
+        before training), before it is used: written to the ledger file (fsynced), then charged.
+
+        Called before the rounds are planned (``Algorithm.on_fit_start``), it is part of what the
+        budget planning finds already spent, so the run trains as many rounds as still fit.
+
+        Raises:
+            PrivacyBudgetError: the release alone takes the client past ``target_epsilon``.
+        """
+        if self._file is not None:
+            self._file.append([LedgerEntry(round=federation.start_round, client=client_id, kind=kind, event=event)
+                               for kind, event in events])
+        self._record(client_id, events)
+        self._refresh((client_id,))
+        spent = self._budget_spent.get(client_id, 0.0)
+        if self.target_epsilon is not None and spent > self.target_epsilon:
+            raise PrivacyBudgetError(f"client {client_id}'s one-off release spends epsilon {spent:.4f}, over "
+                                     f"RDPAccounting.target_epsilon={self.target_epsilon}")
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:

@@ -29,6 +29,26 @@ if TYPE_CHECKING:
     from fedfdp.types import ClientData, ClientUpdate, RoundContext
 
 
+def find_accountant(callbacks: list[Any]) -> Any:
+    """The run's privacy accountant among ``callbacks`` (None if it has none).
+
+    The one place that finds it (``Federation.accountant`` calls it): a run has exactly one
+    ledger of its releases, so a second accountant (e.g. added with ``--trainer.callbacks+=``)
+    is refused, rather than letting each reader pick its own.
+
+    Raises:
+        ConfigError: more than one accountant.
+    """
+    from fedfdp.errors import ConfigError  # runtime import: fedfdp imports this module
+
+    found = [cb for cb in callbacks if getattr(cb, "is_privacy_accountant", False)]
+    if len(found) > 1:
+        raise ConfigError(f"trainer.callbacks has {len(found)} privacy accountants "
+                          f"({', '.join(type(cb).__name__ for cb in found)}); a run has exactly one: "
+                          f"remove all but one")
+    return found[0] if found else None
+
+
 class FederationCallback(Callback):
     """Base class of callbacks with federation hooks; every hook is a no-op by default.
 
@@ -39,6 +59,9 @@ class FederationCallback(Callback):
     """
 
     supports_distributed: ClassVar[bool] = True
+    is_privacy_accountant: ClassVar[bool] = False
+    """True for the callback that charges every DP event (:class:`callbacks.RDPAccounting`); a run
+    has at most one (:func:`find_accountant`)."""
 
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
         """An upper bound on the number of rounds this callback allows (None: no bound)."""

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule, Trainer
 
-from callbacks.accounting import RDPAccounting
 from callbacks.base import FederationCallback
 from fedfdp.errors import DivergenceError
 
@@ -51,7 +50,7 @@ def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
     by that ε (``Algorithm.evaluated_models_covered``; false e.g. for DP-Ditto's personal models
     trained by plain SGD on the client).
     """
-    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
+    accountant = federation.accountant
     dp_valid = accountant is not None and accountant.guarantee_holds
     covered = bool(getattr(federation.algorithm, "evaluated_models_covered", False))
     return {"dp_valid": dp_valid, "evaluated_models_private": dp_valid and covered}
@@ -146,7 +145,7 @@ class RunSummary(FederationCallback):
                 status: str = "running") -> dict[str, Any]:
         """The summary dictionary for the latest evaluation (``result``; None before the first)."""
         assert status in STATUSES, status
-        accountant = next((cb for cb in trainer.callbacks if isinstance(cb, RDPAccounting)), None)
+        accountant = federation.accountant
         seconds = federation.round_seconds
         self._session_rounds = (float(sum(seconds)), len(seconds))
         total, timed = self._round_seconds()

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import Logger
 
-from callbacks.accounting import RDPAccounting
+from callbacks.base import find_accountant
 from callbacks.interrupt import GracefulInterrupt, exit_status
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
@@ -264,9 +264,9 @@ class FedFDPCLI(LightningCLI):
         if trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = self._loggers(run_dir)
         callbacks = list(trainer_cfg.get("callbacks") or [])
-        for cb in callbacks:  # the durable privacy ledger lives in the run directory
-            if isinstance(cb, RDPAccounting) and getattr(cb, "ledger_path", None) is None:
-                cb.ledger_path = str(run_dir / LEDGER_NAME)
+        accountant = find_accountant(callbacks)  # the durable privacy ledger lives in the run directory
+        if accountant is not None and getattr(accountant, "ledger_path", None) is None:
+            accountant.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             every = self.config_init.get("checkpoint_every") or int(self.config_init["model"].eval_every)
             callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="round-{step}", auto_insert_metric_name=False,

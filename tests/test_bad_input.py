@@ -78,6 +78,7 @@ CASES = [  # (id, extra args or callable(tmp) -> args, expected fragment of the 
     ("too many sampled clients", ["--model.clients_per_round", "9"], "model.clients_per_round must be <="),
     ("unknown algorithm", ["--model.algorithm", "fedfdp.algorithms.Nope"], "fedfdp.algorithms.FedFDP"),
     ("unknown callback", ["--trainer.callbacks+=callbacks.Nope"], "trainer.callbacks"),
+    ("second accountant", ["--trainer.callbacks+=callbacks.RDPAccounting"], "has 2 privacy accountants"),
     ("unknown datamodule", ["--data", "datamodules.Nope"], "data"),
     ("alpha zero", ["--data.init_args.alpha", "0"], "data.alpha must be"),
     ("zero clients", ["--data.init_args.num_clients", "0"], "data.num_clients must be"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
+from callbacks.base import find_accountant
 from callbacks import FederationCallback, LossReporting, NoisyLossReporting, RDPAccounting
 from fedfdp import DPFedAvg, FedAvg, FedFair, FedFDP, Federation
 from fedfdp.errors import ConfigError
@@ -200,3 +201,13 @@ def test_evaluation_groups_give_per_client_models():
     a, b = one.last_evaluation, split.last_evaluation
     torch.testing.assert_close(a.client_accuracy, b.client_accuracy)
     torch.testing.assert_close(a.client_loss, b.client_loss)
+
+
+def test_the_federation_owns_one_accountant_and_refuses_a_second():
+    accountant = RDPAccounting()
+    fed, _ = run_federation(DPFedAvg(**DP), [NoisyLossReporting(), accountant], rounds=1)
+    assert fed.accountant is accountant
+    fed_plain, _ = run_federation(FedAvg(lr=0.1), [], rounds=1)
+    assert fed_plain.accountant is None
+    with pytest.raises(ConfigError, match="has 2 privacy accountants"):  # Lightning's own refusal is a traceback
+        find_accountant([NoisyLossReporting(), RDPAccounting(), RDPAccounting(target_epsilon=1.0)])

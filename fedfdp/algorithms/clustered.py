@@ -121,7 +121,7 @@ class ClusteredDPFL(Algorithm):
         require(federation.num_rounds is not None,
                 f"model.num_rounds must be set for {name}: its privacy schedule is planned for a fixed round count")
         self.num_rounds, self.seed = int(federation.num_rounds), int(federation.seed)
-        accountant = next(cb for cb in federation.federation_callbacks() if isinstance(cb, RDPAccounting))
+        accountant = federation.accountant
         target = self.target_epsilon if self.target_epsilon is not None else accountant.target_epsilon
         if self.selection == "private":
             if self.selection_epsilon is None:

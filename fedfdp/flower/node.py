@@ -38,8 +38,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.nn.utils import vector_to_parameters
 
-from callbacks.accounting import RDPAccounting
-from callbacks.base import FederationCallback
+from callbacks.base import FederationCallback, find_accountant
 from datamodules.checks import is_int
 from fedfdp.errors import require
 from fedfdp.federation import Federation
@@ -140,7 +139,7 @@ class NodeClient:
         self.datamodule.setup("fit")
         fed = self.federation
         fed.datamodule = self.datamodule  # what Federation.setup binds in a simulation
-        accounting = next((cb for cb in cli.trainer.callbacks if isinstance(cb, RDPAccounting)), None)
+        accounting = find_accountant(cli.trainer.callbacks)
         target = settings.target_epsilon if settings.target_epsilon is not None else (
             accounting.target_epsilon if accounting is not None else None)
         self.ledger = NodeLedger(settings.ledger_dir, self.client_id, target_epsilon=target,

@@ -31,7 +31,6 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 from torch.nn.utils import parameters_to_vector
 
-from callbacks.accounting import RDPAccounting
 from callbacks.base import FederationCallback
 from callbacks.cluster_metrics import ClusterMetrics
 from callbacks.mia import MembershipInferenceAudit
@@ -238,7 +237,7 @@ class FlowerFederation(Federation):
 
     def deployment_record(self, described: dict[int, NodeDescription]) -> dict[str, Any]:
         """Per client: its node, its own settings, the ε it reported and the server counted, refusals, drop-out."""
-        accounting = next((cb for cb in self.federation_callbacks() if isinstance(cb, RDPAccounting)), None)
+        accounting = self.accountant
         clients = {}
         for cid in range(self.num_clients):
             info = described[cid]
