@@ -126,15 +126,19 @@ class FederationEvaluation:
         released = self.released_model
         global_params = parameters_to_vector(released.parameters()).detach()
         groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
+        offsets = self.algorithm.evaluation_logit_offsets()
+        if offsets is not None:
+            offsets = offsets.to(self.device)
         if len(groups) == 1 and len(groups[0][0]) == self.num_clients:
             model = released if groups[0][1] is global_params else self._load_eval(groups[0][1])
             return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
-                                       self.eval_batch_size, transform=normalize)
+                                       self.eval_batch_size, transform=normalize, logit_offsets=offsets)
         totals: dict[str, torch.Tensor] = {}
         for client_ids, params in groups:
             mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))
             part = evaluate_clientwise(self._load_eval(params), self.client.per_sample_loss, x[mask], y[mask],
-                                       cid[mask], self.num_clients, self.eval_batch_size, transform=normalize)
+                                       cid[mask], self.num_clients, self.eval_batch_size, transform=normalize,
+                                       logit_offsets=offsets)
             for key in ("correct", "count", "loss_sum"):
                 totals[key] = totals.get(key, 0) + part[key]
         count = totals["count"].clamp(min=1)

@@ -28,7 +28,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, IterableDataset
 
-from callbacks.base import FederationCallback
+from callbacks.base import FederationCallback, find_accountant
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.distributed import gather_updates, rank_and_world
@@ -171,6 +171,7 @@ class Federation(FederationEvaluation, LightningModule):
                 f"got {self.clients_per_round}")
         self._check_model_fits_data()
         callbacks = self.federation_callbacks()
+        find_accountant(callbacks)  # a second accountant is refused before anything is charged
         for required in self.algorithm.required_callbacks:
             if not any(isinstance(cb, required) for cb in callbacks):
                 raise ConfigError(
@@ -268,6 +269,7 @@ class Federation(FederationEvaluation, LightningModule):
         release, those after the checkpoint included), before Lightning would silently stop at
         ``max_steps``.
         """
+        self.algorithm.on_fit_start(self)
         self._plan_rounds()
         if self.start_round >= self.total_rounds:
             raise PrivacyBudgetError(
@@ -285,6 +287,15 @@ class Federation(FederationEvaluation, LightningModule):
     def num_clients(self) -> int:
         """N, the number of clients of the datamodule."""
         return self.datamodule.num_clients
+
+    @property
+    def accountant(self) -> Any:
+        """The run's privacy accountant (``callbacks.RDPAccounting``; None for a run without one).
+
+        The one owner of the privacy accounting: every module that needs ε, δ, the ledgers or the
+        budget asks here. A second accountant in ``trainer.callbacks`` is refused at start.
+        """
+        return find_accountant(self.trainer.callbacks)
 
     def federation_callbacks(self) -> list[FederationCallback]:
         """The trainer's callbacks that have federation hooks."""

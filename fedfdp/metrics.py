@@ -125,8 +125,13 @@ def eval_batch_size(requested: int | None, device: torch.device) -> int:
 
 def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,
                         num_clients: int, batch_size: int | None = None,
-                        transform: Callable[[Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+                        transform: Callable[[Tensor], Tensor] | None = None,
+                        logit_offsets: Tensor | None = None) -> dict[str, Tensor]:
     """One pass of ``model`` over pooled data tagged by client; per-client accuracy and loss.
+
+    ``logit_offsets`` (shape ``(num_clients, num_classes)``), when given, is added to the logits of
+    each client's records before scoring: the client's prediction rule is ``model(x) + b_i``
+    (:meth:`fedfdp.algorithms.Algorithm.evaluation_logit_offsets`).
 
     ``transform`` (e.g. the datamodule's normalisation of raw ``uint8`` images) is applied per
     batch, so the pooled data can stay in its compact stored form. ``batch_size`` None picks the
@@ -141,6 +146,8 @@ def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, c
             for start in range(0, y.shape[0], step):
                 sl = slice(start, start + step)
                 logits = model(x[sl] if transform is None else transform(x[sl]))
+                if logit_offsets is not None:
+                    logits = logits + logit_offsets[client_id[sl]]
                 metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
             return metric.compute()
     finally:

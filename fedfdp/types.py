@@ -15,6 +15,8 @@ MODEL_RELEASE = "model"
 """Kind of a DP event that privatises a model update (counted in every accounting mode)."""
 LOSS_RELEASE = "loss"
 """Kind of a DP event that privatises a reported loss (FedFDP Theorem 2's second mechanism)."""
+LABEL_HISTOGRAM_RELEASE = "label_histogram"
+"""Kind of a DP event that privatises a client's label counts (released once, before training)."""
 
 
 @dataclass(frozen=True)

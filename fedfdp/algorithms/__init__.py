@@ -12,6 +12,7 @@ from fedfdp.algorithms.alidpfl import ALIDPFL
 from fedfdp.algorithms.client_state import ClientStateStore
 from fedfdp.algorithms.ditto import DPDitto, Ditto
 from fedfdp.algorithms.local import DPLocalOnly, LocalOnly
+from fedfdp.algorithms.prior import DPFedAvgPriorCorrection
 from fedfdp.algorithms.feddyn import DPFedDyn, FedDyn
 from fedfdp.algorithms.fedprox import DPFedProx, FedProx
 from fedfdp.algorithms.qffl import DPQFFL, QFFL
@@ -24,5 +25,5 @@ from fedfdp.algorithms.rcdpfl import RCDPFL
 __all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFinP",
            "FedFDPFairAgg", "DPFedAvgFairAgg", "DPFedAvgAdaClip",
            "ALIDPFL", "ClientStateStore", "DPDitto", "DPFedDyn", "DPFedProx", "DPQFFL", "DPScaffold",
-           "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold", "LocalOnly", "DPLocalOnly",
+           "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold", "LocalOnly", "DPLocalOnly", "DPFedAvgPriorCorrection",
            "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]

@@ -62,6 +62,20 @@ class Algorithm:
         """
         return [(list(range(num_clients)), global_params)]
 
+    def on_fit_start(self, federation: Federation) -> None:
+        """Called once training starts, after a checkpoint (if any) and the privacy ledger are restored
+        and before the rounds are planned: the place for a one-off private release that the
+        rounds' budget must account for (``federation.accountant.charge_release``)."""
+
+    def evaluation_logit_offsets(self) -> Tensor | None:
+        """Per-client offsets ``b_i`` added to the evaluation model's logits (``(num_clients, num_classes)``).
+
+        Client i predicts ``argmax_c f(x)_c + b_{i,c}`` and is scored on that (loss included).
+        None (the default): the model's logits as they are. An algorithm that returns offsets
+        computed from a client's data must have released them privately (and charged them).
+        """
+        return None
+
     def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
         """New global model from the uploads: ``Σ_i p_i w_{t+1}^i`` with ``p_i ∝ |D_i|``."""
         return weighted_mean([u.params for u in updates], [u.num_examples for u in updates])
