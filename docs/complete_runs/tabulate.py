@@ -2,7 +2,8 @@
 
     python docs/complete_runs/tabulate.py [--plot PNG] [--majority LABEL=CONFIG] LABEL=DIR [LABEL=DIR ...]
 
-Each DIR holds ``seed<k>/`` run directories (``summary.json``, ``privacy_ledger.jsonl`` or ``.jsonl.gz``). Columns:
+Each DIR holds ``seed<k>/`` run directories (``summary.json``, ``privacy_ledger.jsonl`` or ``.jsonl.gz``; the
+committed runs keep their per-round history gzipped, ``metrics.csv.gz``, and their ledger as ``.jsonl.gz``). Columns:
 final pooled / worst-client / worst-10 % accuracy, the same three as the mean over the last 5
 evaluations (one final evaluation is noisy, issue 12), Ψ, Jain, ε by RDP (the run's accountant)
 and by PRV (recomputed from the ledger with Opacus' PRVAccountant; "—" for a run that is not DP), and

@@ -17,6 +17,7 @@ The reference table of spec §3.6 is reproduced in ``tests/privacy/test_accounti
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import warnings
@@ -27,6 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 from opacus.accountants import PRVAccountant, RDPAccountant
+
+logger = logging.getLogger(__name__)
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from fedfdp.errors import ConfigError
@@ -197,7 +200,14 @@ def _prv_epsilon_cached(history: tuple[tuple[float, float, int], ...], delta: fl
         return 0.0
     accountant = PRVAccountant()
     accountant.history = list(history)
-    return max(0.0, float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR)))  # ε < 0 means nothing
+    try:
+        return max(0.0, float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR)))  # ε < 0 means nothing
+    except RuntimeError as err:  # Opacus' root finding can fail far out (e.g. σ 7, q 1, δ 0.97)
+        events = [DPEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in history]
+        fallback = epsilon_of(events, delta)
+        logger.warning("PRV accountant: %s at delta=%g; reporting the RDP bound %.4f instead (also valid, "
+                       "possibly looser)", err, delta, fallback)
+        return fallback
 
 
 class PrivacyLedger:
