@@ -46,32 +46,13 @@ import torch
 from torch import Tensor
 
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
+from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
     from fedfdp.federation import Federation
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StackedStepSpec:
-    """An algorithm's one private step per client from ``w_t``, in two halves a stacked round can interleave.
-
-    Attributes:
-        batch: ``(data, generator) -> LocalBatch``: draws the client's Poisson batch from
-            ``generator`` and returns its private step's input (a fresh clip rule, lr, noise std
-            ``σC``, denominator, and ``generator`` itself, from which the noise is drawn next).
-        update: ``(client, data, step_output) -> ClientUpdate``: the upload once the step is
-            taken (the local model is read from ``client``).
-        sample_rate: the Poisson rate q of ``batch``; the engine passes are planned from the
-            expected batch sizes ``q|D_i|`` (public), before any batch is drawn.
-    """
-
-    batch: Callable[[ClientData, RandomSource], LocalBatch]
-    update: Callable[[ClientModule, ClientData, StepOutput], ClientUpdate]
-    sample_rate: float
 
 
 def unstackable_reason(federation: Federation) -> str | None:

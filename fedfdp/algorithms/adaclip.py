@@ -101,9 +101,8 @@ from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound,
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask, randn
-from fedfdp.stacked import StackedStepSpec
 from fedfdp.privacy.uploads import POST_PROCESSING
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 CountAccounting = Literal["split", "separate"]
 COUNT_ACCOUNTINGS: tuple[str, ...] = ("split", "separate")

@@ -14,13 +14,12 @@ from fedfdp.aggregate import weighted_mean
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec
 
 if TYPE_CHECKING:
     from callbacks.base import FederationCallback
     from fedfdp.client import ClientModule
     from fedfdp.federation import Federation
-    from fedfdp.stacked import StackedStepSpec
 
 
 class Algorithm:
@@ -93,7 +92,7 @@ class Algorithm:
     def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
         """This round's local update as one private step per client from ``w_t``, if it is one.
 
-        Returning a :class:`~fedfdp.stacked.StackedStepSpec` lets the federation run the round's
+        Returning a :class:`~fedfdp.types.StackedStepSpec` lets the federation run the round's
         private steps as one pass over the union of the clients' batches (:mod:`fedfdp.stacked`);
         it must then do exactly what :meth:`local_update` does. None (the default) keeps the
         per-client path.

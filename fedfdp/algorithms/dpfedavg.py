@@ -17,8 +17,7 @@ from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask
-from fedfdp.stacked import StackedStepSpec
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StepOutput
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 
 class DPFedAvg(Algorithm):
