@@ -62,6 +62,13 @@ LONG = ["--model.num_rounds", str(ROUNDS), "--model.eval_every", "20", "--traine
         "null"]
 
 
+def _default_stop_signals() -> None:
+    """In the child: default dispositions for the stop signals. A pytest started with ``nohup`` or as a
+    shell's background job passes SIGHUP/SIGINT on as ignored, and a run keeps an inherited ignore."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The summary of the same run, never interrupted."""
@@ -77,7 +84,8 @@ def test_a_signal_checkpoints_says_interrupted_exits_128_plus_signal_and_resume_
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "fedfdp.fit", "--config", TINY, "--run_dir", str(run_dir), *LONG],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_stop_signals)
     deadline = time.monotonic() + 120
     while _ledger_rounds(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
