@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import Logger
 
+import fedfdp.algorithms as algorithms
 from callbacks.base import find_accountant
 from callbacks.interrupt import GracefulInterrupt, exit_status
 from callbacks.progress import RoundProgressBar
@@ -153,6 +154,10 @@ class FedFDPCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
+            # a short name (``--model.algorithm FedAvg``) resolves only among imported algorithms
+            if not algorithms.all_loaded():
+                algorithms.load_all()
+                return self.parse_arguments(parser, args)
             raise ConfigError(explain_parse_error(str(err), parser)) from err
         self.check_trainer_options(parser)
         every = self.config.get("checkpoint_every")
@@ -405,6 +410,8 @@ def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = 
     nodes (``cli_class``: no run directory) from the same config.
     """
     args = with_saved_config(sys.argv[1:] if args is None else args)
+    if any(arg in ("-h", "--help") or arg.split("=")[0].endswith(".help") for arg in args):
+        algorithms.load_all()  # --help lists every algorithm (jsonargparse lists the imported subclasses)
     with warnings.catch_warnings():
         # passing the (rewritten) command line as ``args`` is deliberate: without this filter every
         # command-line run printed LightningCLI's "args parameter is intended to run from within Python"
