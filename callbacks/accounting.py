@@ -29,7 +29,7 @@ from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
 from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.privacy.accounting import (ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent,
-                                      PrivacyLedger, epsilon_of, max_rounds)
+                                      PrivacyLedger, epsilon_of, max_rounds, uncovered_steps)
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
 from fedfdp.privacy.uploads import declared_upload_privacy, unprotected_declarations, unprotected_fields
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
@@ -369,6 +369,7 @@ class RDPAccounting(FederationCallback):
         """
         self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
         if self._file is not None and self.ledgers:
+            self._check_file_covers(state_dict["ledgers"])
             return
         self._reset()
         for key, store in (("ledgers", self.ledgers), ("budget_ledgers", self.budget_ledgers)):
@@ -377,6 +378,22 @@ class RDPAccounting(FederationCallback):
         self._refresh(set(self.ledgers) | set(self.budget_ledgers))
         if self._file is not None and self.ledgers:
             self._migrate_to_file()
+
+    def _check_file_covers(self, checkpoint_ledgers: dict[Any, dict[str, Any]]) -> None:
+        """Refuse a ledger file that lacks releases the checkpoint recorded (truncated, or another run's).
+
+        The file is the single source of truth and a checkpoint only a copy of it at one round, so
+        every charge in the checkpoint must be in the file; resuming from a file that forgot some
+        would report less ε than was spent.
+        """
+        for cid, led_state in checkpoint_ledgers.items():
+            recorded = [DPEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in led_state["history"]]
+            in_file = self.ledgers[int(cid)].events if int(cid) in self.ledgers else ()
+            missing = uncovered_steps(recorded, in_file)
+            if missing:
+                raise PrivacyError(f"privacy ledger {self.ledger_path} lacks {missing} mechanism steps of client {cid} "
+                                   "that the checkpoint recorded (truncated, or another run's ledger): refusing to "
+                                   "resume with spent budget forgotten")
 
     def _migrate_to_file(self) -> None:
         """Write checkpoint-only ledgers to the ledger file (round -1: before ledger files existed)."""

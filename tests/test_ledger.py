@@ -22,8 +22,8 @@ from lightning.pytorch import Trainer
 from callbacks import NoisyLossReporting, RDPAccounting
 from fedfdp import Federation
 from fedfdp.algorithms import DPFedAvg, FedFDP
-from fedfdp.errors import DataError, DivergenceError
-from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.errors import DataError, DivergenceError, PrivacyError
+from fedfdp.privacy.accounting import DPEvent, PrivacyLedger, epsilon_of, uncovered_steps
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
 from tests.conftest import REPO
 from tests.helpers import tiny_client, tiny_data
@@ -64,6 +64,38 @@ def test_other_ranks_write_beside_rank_zero_and_reading_takes_the_union(tmp_path
     LedgerFile(path, rank=1).append([LedgerEntry(round=0, client=1, kind="model", event=STEP)])
     assert (tmp_path / "privacy_ledger.rank1.jsonl").exists()
     assert sorted(e.client for e in LedgerFile(path).read()) == [0, 1]
+
+
+# ---- one source of truth: loads never forget a charge ---------------------------------------------------
+def test_a_privacy_ledger_load_may_extend_but_never_forget_charges():
+    ledger = PrivacyLedger()
+    for event in (STEP, STEP, DPEvent(noise_multiplier=5.0, sample_rate=1.0)):
+        ledger.record(event)
+    recorded = ledger.state_dict()
+    with pytest.raises(PrivacyError, match="would forget 1 charged"):
+        ledger.load_state_dict({**recorded, "history": [[1.0, 0.2, 2]]})
+    assert ledger.state_dict() == recorded  # a refused load changes nothing
+    reordered_and_more = {**recorded, "history": [[5.0, 1.0, 1], [1.0, 0.2, 3]]}
+    ledger.load_state_dict(reordered_and_more)  # composition is order-free: every charge is still there
+    assert ledger.num_events == 4
+    fresh = PrivacyLedger()
+    fresh.load_state_dict({**recorded, "history": []})
+    assert fresh.num_events == 0
+
+
+def test_uncovered_steps_counts_what_a_history_lacks():
+    a, b = DPEvent(noise_multiplier=1.0, sample_rate=0.2), DPEvent(noise_multiplier=2.0, sample_rate=0.2)
+    assert uncovered_steps([a.repeated(3), b], [b, a.repeated(3)]) == 0
+    assert uncovered_steps([a.repeated(3), b], [a]) == 3
+    assert uncovered_steps([], [a]) == 0
+
+
+def test_resuming_with_a_ledger_file_that_lacks_checkpointed_charges_is_refused(tmp_path):
+    ledger, ckpt = tmp_path / "privacy_ledger.jsonl", tmp_path / "round3.ckpt"
+    _fit(FedFDP(**DP), ledger, rounds=3, save=ckpt)
+    ledger.write_text("\n".join(ledger.read_text().splitlines()[: 3 * 2]) + "\n")  # round 1 only: truncated
+    with pytest.raises(PrivacyError, match="lacks .* mechanism steps of client 0 that the checkpoint recorded"):
+        _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)
 
 
 # ---- in-process runs ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import logging
 import math
 import numbers
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,11 +33,11 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 logger = logging.getLogger(__name__)
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-from fedfdp.errors import ConfigError
+from fedfdp.errors import ConfigError, PrivacyError
 
 __all__ = ["ACCOUNTANTS", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "DPEvent", "PrivacyLedger", "epsilon_of",
            "prv_epsilon",
-           "max_rounds", "merged_rdp", "rdp_of"]
+           "max_rounds", "merged_rdp", "rdp_of", "uncovered_steps"]
 
 #: RDP orders of the authors' code (``list(range(2, 64)) + [128, 256, 512]``, spec §3.4).
 PAPER_ORDERS: tuple[float, ...] = tuple(float(a) for a in (*range(2, 64), 128, 256, 512))
@@ -280,7 +281,12 @@ class PrivacyLedger:
                 "history": [[float(s), float(q), int(n)] for s, q, n in self.accountant.history]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (orders included); validates every entry."""
+        """Restore :meth:`state_dict` output (orders included); validates every entry.
+
+        A ledger only grows: loading into a ledger that already holds charges is allowed only when
+        the loaded history holds every one of them (:func:`uncovered_steps`), else
+        :class:`~fedfdp.errors.PrivacyError` — a load never forgets spent budget.
+        """
         if set(state_dict) != {"orders", "history"}:
             raise ConfigError("PrivacyLedger state must have exactly the keys orders, history; "
                               f"got {sorted(state_dict)}")
@@ -290,8 +296,30 @@ class PrivacyLedger:
             raise ConfigError(f"PrivacyLedger history must be [[sigma, q, steps], ...], "
                               f"got {history!r}")
         events = [DPEvent(noise_multiplier=s, sample_rate=q, steps=n) for s, q, n in history]
+        missing = uncovered_steps(self.events, events)
+        if missing:
+            raise PrivacyError(f"PrivacyLedger.load_state_dict would forget {missing} charged mechanism steps: a ledger "
+                               "only grows, so the loaded history must hold every step already recorded")
         self.orders = orders
         self.accountant.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in events]
+
+
+def _steps_by_mechanism(events: Iterable[DPEvent]) -> Counter[tuple[float, float]]:
+    counts: Counter[tuple[float, float]] = Counter()
+    for event in events:
+        counts[(float(event.noise_multiplier), float(event.sample_rate))] += int(event.steps)
+    return counts
+
+
+def uncovered_steps(recorded: Iterable[DPEvent], history: Iterable[DPEvent]) -> int:
+    """How many mechanism steps of ``recorded`` ``history`` lacks (0: ``history`` covers them).
+
+    Compared as multisets of ``(σ, q)`` steps: RDP composition is order-independent, so a history
+    that holds every recorded step (in any order, possibly with more) spends at least the
+    recorded ε. A positive count means a load of ``history`` would forget charges.
+    """
+    have = _steps_by_mechanism(history)
+    return sum(max(0, n - have[key]) for key, n in _steps_by_mechanism(recorded).items())
 
 
 def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: float,
