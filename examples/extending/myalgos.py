@@ -1,0 +1,44 @@
+"""Example: a new algorithm in one module (docs/extending.md, "An algorithm").
+
+``DecayingDPFedAvg`` is DP-FedAvg whose clients' learning rate decays over rounds,
+``η_t = η_0 / (1 + decay · t)``. The privacy maths is DP-FedAvg's, untouched: the learning rate
+scales an already clipped and noised step (post-processing), so the DP events, the planned rounds
+and ε are the same as for ``DPFedAvg`` with the same ``q``, ``σ`` and ``C``.
+
+Run it (from the repository root)::
+
+    python -m fedfdp.fit --config configs/fmnist_dpfedavg.yaml \\
+        --model.algorithm examples.extending.myalgos.DecayingDPFedAvg --model.algorithm.init_args.decay 0.05
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedfdp.algorithms import DPFedAvg
+from fedfdp.types import ClientData, ClientUpdate, RoundContext
+
+
+class DecayingDPFedAvg(DPFedAvg):
+    """DP-FedAvg with the local learning rate ``lr / (1 + decay · t)`` in round ``t`` (0-based).
+
+    The rate is set in :meth:`local_update`, from the round index every client receives in its
+    :class:`~fedfdp.types.RoundContext`, not in ``configure_round``: ``configure_round`` runs on
+    the server, and in a Flower deployment the local update runs on the nodes, each with its own
+    instance of the algorithm, which would never see a rate the server set on its own instance.
+
+    Args:
+        decay: the decay rate (``≥ 0``; 0 is DP-FedAvg).
+        **kwargs: DP-FedAvg's arguments (``lr`` is ``η_0``).
+    """
+
+    def __init__(self, *, decay: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if decay < 0:
+            raise ValueError(f"algorithm.decay must be >= 0, got {decay}")
+        self.decay, self.base_lr = decay, self.lr
+
+    def local_update(self, client: Any, data: ClientData, context: RoundContext, generator: Any) -> ClientUpdate:
+        """DP-FedAvg's local update at this round's rate ``η_t``."""
+        self.lr = self.base_lr / (1.0 + self.decay * context.round)
+        return super().local_update(client, data, context, generator)
