@@ -220,6 +220,37 @@ def test_strategy_over_in_process_nodes_equals_simulation(tmp_path):
     assert summary["final"]["accuracy"] == json.loads((sim / "summary.json").read_text())["final"]["accuracy"]
 
 
+def test_a_resumed_deployment_continues_the_run(tmp_path):
+    """ckpt-path='last' continues a deployed run to the end an uninterrupted one reaches, appending its files."""
+    ledgers = tmp_path / "ledgers"
+
+    def deploy(run_dir: Path, rounds: int, node_ledgers: Path, **extra: str) -> Path:
+        overrides = OVERRIDES.replace(f"--model.num_rounds {ROUNDS}", f"--model.num_rounds {rounds}")
+        settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "run-dir": str(run_dir),
+                                                   "overrides": overrides + " --checkpoint_every 1", **extra})
+        return run_server(InProcessGrid(_nodes(node_ledgers)), settings)  # type: ignore[arg-type]
+
+    whole = deploy(tmp_path / "whole", 4, tmp_path / "whole_ledgers")
+    run_dir = deploy(tmp_path / "run", 2, ledgers)
+    assert deploy(run_dir, 4, ledgers, **{"ckpt-path": "last"}) == run_dir
+    assert _max_relative_difference(_global_model(whole), _global_model(run_dir)) == 0.0
+    assert [int(r["round"]) for r in _metrics(run_dir)] == [1, 2, 3, 4]  # appended, not restarted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds_run"] == 4
+    assert summary["final"]["accuracy"] == json.loads((whole / "summary.json").read_text())["final"]["accuracy"]
+    nodes = {c: NodeLedger(ledgers, c, target_epsilon=None).epsilon() for c in range(3)}
+    record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]
+    for cid in range(3):  # the server's view and each node's own ledger agree, and equal the uninterrupted run's
+        assert record[str(cid)]["epsilon_server_view"] == pytest.approx(nodes[cid], rel=1e-12)
+        assert nodes[cid] == pytest.approx(NodeLedger(tmp_path / "whole_ledgers", cid, target_epsilon=None).epsilon(),
+                                           rel=1e-12)
+
+
+def test_a_resume_without_its_run_dir_is_refused_with_one_line():
+    with pytest.raises(ConfigError, match="ckpt-path continues the run in run-dir"):
+        ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "ckpt-path": "last"})
+
+
 def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
     """Client 2 refuses round 3 (its own target); client 1 never answers from round 2: the others carry on."""
     ledgers = tmp_path / "ledgers"

@@ -19,6 +19,11 @@ Run config (``flwr run APP CONNECTION --run-config "config='configs/x.yaml' ..."
     limit, only ``round-timeout``); a client that misses it is left out like one that times out.
 ``node-wait``
     seconds to wait at start until one SuperNode per client has connected.
+``ckpt-path``
+    ``'last'`` (or a checkpoint file) continues the run in ``run-dir`` from its last checkpoint,
+    as ``python -m fedfdp.fit --run_dir DIR --ckpt_path last`` does: the same checks (a resume
+    that would change the run is refused and changes no file), metrics and summary appended, the
+    server's ledger continued; ``overrides`` may raise ``--model.num_rounds``.
 
 The run: build the federation from the config exactly as ``fedfdp.fit`` does (its server half:
 :class:`fedfdp.flower.strategy.FlowerFederation`), wait for the nodes, ask each which partition
@@ -51,7 +56,7 @@ app = ServerApp()
 #: view), refused rounds and whether it dropped out.
 DEPLOYMENT_RECORD = "flower_clients.json"
 
-_KEYS = ("config", "overrides", "run-dir", "round-timeout", "straggler-timeout", "node-wait")
+_KEYS = ("config", "overrides", "run-dir", "round-timeout", "straggler-timeout", "node-wait", "ckpt-path")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class ServerSettings:
     round_timeout: float = 600.0
     straggler_timeout: float | None = None
     node_wait: float = 120.0
+    ckpt_path: str | None = None
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerSettings:
@@ -84,9 +90,13 @@ class ServerSettings:
             least = 0 if name == "straggler-timeout" else 1e-9
             require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least,
                     f"run-config {name} must be a number of seconds {'>= 0' if least == 0 else '> 0'}, got {value!r}")
+        run_dir = str(run_config.get("run-dir") or "") or None
+        ckpt = str(run_config.get("ckpt-path") or "") or None
+        require(ckpt is None or run_dir is not None,
+                "run-config ckpt-path continues the run in run-dir: set run-dir to the run to resume")
         return cls(config=path, overrides=shlex.split(str(run_config.get("overrides", ""))),
-                   run_dir=str(run_config.get("run-dir") or "") or None, round_timeout=float(timeout),
-                   straggler_timeout=float(straggler) or None, node_wait=float(wait))
+                   run_dir=run_dir, round_timeout=float(timeout),
+                   straggler_timeout=float(straggler) or None, node_wait=float(wait), ckpt_path=ckpt)
 
 
 def resolve_config(path: str) -> Path:
@@ -152,6 +162,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
     args = ["--config", str(settings.config), *settings.overrides]
     if settings.run_dir is not None:
         args += ["--run_dir", settings.run_dir]
+    if settings.ckpt_path is not None:
+        args += ["--ckpt_path", settings.ckpt_path]
     cli = build_cli(args, model_class=FlowerFederation)
     try:
         resolved = cli.config.clone()
@@ -169,7 +181,7 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
             if isinstance(cb, RunDirGuard) and cb.lock is not None:
                 cb.lock.release()
         raise
-    cli.trainer.fit(federation, datamodule=datamodule)
+    cli.trainer.fit(federation, datamodule=datamodule, ckpt_path=cli.config.get("ckpt_path"))
     record = Path(cli.run_dir) / DEPLOYMENT_RECORD
     record.write_text(json.dumps(federation.deployment_record(described), indent=2))
     for cid in sorted(federation.dropped):

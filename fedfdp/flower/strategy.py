@@ -161,6 +161,23 @@ class FlowerFederation(Federation):
         self.client_epsilon: dict[int, float] = {}  # the ε each client last reported (its own ledger)
         self.stacked_round = False  # each client trains on its own node
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The federation's state plus the deployment's record so far (refusals, reported ε)."""
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["flower"] = {"refusals": [list(r) for r in self.refusals],
+                                "client_epsilon": {str(c): e for c, e in self.client_epsilon.items()}}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Continue the record of a resumed run: its refusals up to the checkpoint, the ε reported.
+
+        Nodes that stopped answering in the earlier session are asked again.
+        """
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("flower", {})
+        start = int(checkpoint.get("global_step", 0))
+        self.refusals = [(int(r), int(c), str(why)) for r, c, why in saved.get("refusals", []) if int(r) < start]
+        self.client_epsilon.update({int(c): float(e) for c, e in saved.get("client_epsilon", {}).items()})
+
     def setup(self, stage: str) -> None:
         """The federation's setup, after refusing what cannot run on nodes."""
         check_deployable(self.algorithm, list(self.trainer.callbacks))
