@@ -135,25 +135,41 @@ class InProcessGrid:
     """A SuperLink stand-in: each message goes to this process's ClientApp with its node's config.
 
     ``silent`` nodes never answer from round ``silent_from`` (a node that died before it released).
+    ``lost`` nodes die at round ``silent_from`` and the SuperLink notices, as Flower's does once a
+    node misses its heartbeats: it stops listing them and answers their messages itself with a
+    ``NODE_UNAVAILABLE`` error.
     """
 
-    def __init__(self, node_configs: dict[int, dict], silent: set[int] = frozenset(), silent_from: int = 0) -> None:
+    def __init__(self, node_configs: dict[int, dict], silent: set[int] = frozenset(), silent_from: int = 0,
+                 lost: set[int] = frozenset()) -> None:
         from flwr.supercore.task_identity import TaskIdentity
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
         self.node_configs, self.silent, self.silent_from = node_configs, set(silent), silent_from
+        self.lost, self.gone = set(lost), set()
         self.replies: dict[str, Message] = {}
 
     def get_node_ids(self) -> list[int]:
-        return list(self.node_configs)
+        return [n for n in self.node_configs if n not in self.gone]
 
     def push_messages(self, messages) -> list[str]:
         ids = []
         for message in messages:
             ids.append(message.object_id)
             node = message.metadata.dst_node_id
-            if node in self.silent and message.metadata.message_type == protocol.TRAIN and (
-                    protocol.TrainRequest.decode(message.content).round >= self.silent_from):
+            late = message.metadata.message_type == protocol.TRAIN and (
+                protocol.TrainRequest.decode(message.content).round >= self.silent_from)
+            if node in self.lost and late:
+                from flwr.common.constant import ErrorCode
+
+                self.gone.add(node)
+                reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"),
+                                reply_to=message)
+                reply.metadata.__dict__["_src_node_id"] = 1  # the SuperLink answers, not the node
+                reply.metadata.__dict__["_reply_to_message_id"] = message.object_id
+                self.replies[message.object_id] = reply
+                continue
+            if node in self.silent and late:
                 continue
             context = Context(run_id=7, node_id=node, node_config=self.node_configs[node], state=RecordDict(),
                               run_config={})
@@ -269,6 +285,21 @@ def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
         own = NodeLedger(ledgers, cid, target_epsilon=None).epsilon()
         assert record[str(cid)]["epsilon_server_view"] == pytest.approx(own, rel=1e-12)
     assert NodeLedger(ledgers, 2, target_epsilon=None).epsilon() <= TIGHT_TARGET
+
+
+def test_a_lost_node_is_named_by_its_id_and_round_and_a_slow_one_as_slow(tmp_path, caplog):
+    """Client 1's node dies in round 2 (the SuperLink reports it unavailable); client 2's stays connected but silent."""
+    grid = InProcessGrid(_nodes(tmp_path / "ledgers"), silent={102}, lost={101}, silent_from=1)
+    settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "overrides": OVERRIDES,
+                                               "run-dir": str(tmp_path / "flower"), "round-timeout": 1.0})
+    with caplog.at_level("WARNING", logger="fedfdp.flower.strategy"):
+        run_dir = run_server(grid, settings)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert [m for m in lines if m.startswith("client 1: its SuperNode 101 was lost in round 2")], lines
+    assert [m for m in lines if m.startswith("client 2 (node 102) did not answer round 2 in time")
+            and "still connected" in m], lines
+    record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]
+    assert record["1"]["dropped"] is True and record["2"]["dropped"] is True
 
 
 def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):

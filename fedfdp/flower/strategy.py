@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from torch.nn.utils import parameters_to_vector
 
@@ -199,17 +200,39 @@ class FlowerFederation(Federation):
                     for cid, content in targets.items()]
         by_node = {self.nodes[cid]: cid for cid in targets}
         replies: dict[int, Message] = {}
+        lost: set[int] = set()
         for reply in exchange(self.grid, messages, timeout=self.round_timeout, straggler_timeout=self.straggler_timeout):
             cid = by_node.get(reply.metadata.src_node_id)
-            if cid is not None:
+            if cid is None:  # the SuperLink answers for a node it gave up on (src is the SuperLink)
+                cid = next((c for c, m in zip(targets, messages) if m.object_id == reply.metadata.reply_to_message_id),
+                           None)
+            if cid is None:
+                continue
+            if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                lost.add(cid)
+            else:
                 replies[cid] = reply
+        connected = self._connected_nodes()
+        where = f"round {self.current_round + 1}" if message_type == protocol.TRAIN else f"the {message_type} message"
         for cid in targets:
-            if cid not in replies:
-                self.dropped.add(cid)
-                logger.warning("client %d (node %d) did not answer the %s message in time (round-timeout %.0f s, "
-                               "straggler-timeout %s s): left out of this round and not asked again this run", cid,
-                               self.nodes[cid], message_type, self.round_timeout, self.straggler_timeout)
+            if cid in replies:
+                continue
+            self.dropped.add(cid)
+            if cid in lost or (connected is not None and self.nodes[cid] not in connected):
+                logger.warning("client %d: its SuperNode %d was lost in %s (the SuperLink no longer hears its "
+                               "heartbeat): left out and not asked again this run", cid, self.nodes[cid], where)
+            else:
+                logger.warning("client %d (node %d) did not answer %s in time (round-timeout %.0f s, "
+                               "straggler-timeout %s s) though still connected: left out and not asked again this "
+                               "run", cid, self.nodes[cid], where, self.round_timeout, self.straggler_timeout)
         return replies
+
+    def _connected_nodes(self) -> set[int] | None:
+        """The node ids the SuperLink counts as connected now (None when the grid cannot say)."""
+        try:
+            return set(self.grid.get_node_ids())
+        except Exception:  # noqa: BLE001 - a SuperLink gone away: nothing to classify with
+            return None
 
     def train_clients(self, context: RoundContext, client_ids: list[int],
                       global_params: torch.Tensor) -> list[ClientUpdate]:
