@@ -442,3 +442,33 @@ def test_killed_supernode_leaves_the_round_to_the_others_and_its_ledger_uncharge
     model = _global_model(run_dir)
     assert all(bool(torch.isfinite(v).all()) for v in model.values())
     assert not math.isnan(json.loads((run_dir / "summary.json").read_text())["final"]["accuracy"])
+
+
+# ---- the connection preflight: a TLS/insecure mismatch named in one line, in seconds ---------------
+@pytest.mark.flower
+def test_preflight_names_a_tls_mismatch_against_real_superlinks(federation, secure, capsys):
+    from fedfdp.flower.preflight import main as preflight
+
+    plain, tls = f"127.0.0.1:{federation.port}", f"127.0.0.1:{secure.port}"
+    ca = str(secure.certs / "ca.crt")
+    start = time.monotonic()
+    assert preflight(["--superlink", tls, "--insecure"]) == 2
+    assert preflight(["--superlink", plain, "--root-certificates", ca]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "serves TLS, but the SuperNode would connect with --insecure" in err[0], err
+    assert "serves plaintext" in err[1], err
+    assert preflight(["--superlink", tls, "--root-certificates", ca]) == 0
+    assert preflight(["--superlink", plain, "--insecure"]) == 0
+    assert time.monotonic() - start < 30
+
+
+def test_preflight_without_a_superlink_or_with_both_modes_is_one_line(capsys):
+    from fedfdp.flower.preflight import main as preflight
+    from tests.flower_harness import free_port
+
+    assert preflight(["--superlink", f"127.0.0.1:{free_port()}", "--insecure"]) == 2
+    assert preflight(["--superlink", "127.0.0.1:1", "--insecure", "--root-certificates", "ca.crt"]) == 2
+    assert preflight(["--superlink", "nohostport", "--insecure"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
+    assert "nothing answers at" in err[0] and "exactly one of" in err[1] and "HOST:PORT" in err[2]
