@@ -122,14 +122,46 @@ class ClientModule(LightningModule):
         default). Noise is added even for an empty batch.
 
         The work is split in two reusable halves: the clipped sum ``Σ_j s_j g_j`` from the
-        per-sample engine, and :meth:`apply_private_sum` (noise, normalisation, optimizer step).
-        A stacked round (:mod:`fedfdp.stacked`) forms the clipped sums of several clients from one
-        pass over their joint batch and calls :meth:`apply_private_sum` per client.
+        per-sample engine (:meth:`clipped_sum`, chunked when ``batch.physical_batch_size`` is set),
+        and :meth:`apply_private_sum` (noise, normalisation, optimizer step). A stacked round
+        (:mod:`fedfdp.stacked`) forms the clipped sums of several clients from one pass over their
+        joint batch and calls :meth:`apply_private_sum` per client.
         """
         assert batch.clip_rule is not None and batch.generator is not None
-        result = self.engine.compute(batch.x, batch.y)
-        factors = batch.clip_rule(result.losses, result.norms)
-        return self.apply_private_sum(batch, result.weighted_sum(factors), result.losses, result.norms, factors)
+        return self.apply_private_sum(batch, *self.clipped_sum(batch))
+
+    def clipped_sum(self, batch: LocalBatch) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+        """``(Σ_j s_j g_j, ℓ, ‖g‖, s)`` of ``batch`` at the parameters currently loaded.
+
+        ``s_j = clip_rule(ℓ_j, ‖g_j‖)`` for every record ``j``; the sum is one tensor per trainable
+        parameter, and ``ℓ``, ``‖g‖``, ``s`` are the per-sample losses, gradient norms and factors
+        (shape (B,)). With ``batch.physical_batch_size = P`` the engine runs on the consecutive
+        chunks ``B_k`` of at most ``P`` records and ``Σ_j s_j g_j = Σ_k Σ_{j∈B_k} s_j g_j`` is
+        accumulated chunk by chunk (memory of a ``P``-record pass; the same sum up to
+        floating-point order). The clip rule is then called once per chunk: its factors do not
+        depend on the chunking (every rule maps a record's ``(ℓ_j, ‖g_j‖)`` to ``s_j`` alone), but
+        statistics a rule keeps of its last call (``FairClip.last_negative_fraction``,
+        ``CountingFlatClip``'s count) cover the last chunk only.
+        """
+        assert batch.clip_rule is not None
+        if batch.physical_batch_size is not None and batch.physical_batch_size < 1:
+            raise ValueError(f"physical_batch_size must be >= 1 or None, got {batch.physical_batch_size}")
+        size = int(batch.y.shape[0])
+        chunk = max(size, 1) if batch.physical_batch_size is None else batch.physical_batch_size
+        total: list[Tensor] | None = None
+        losses, norms, factors = [], [], []
+        for start in range(0, max(size, 1), chunk):  # an empty batch: one pass, a zero sum
+            result = self.engine.compute(batch.x[start:start + chunk], batch.y[start:start + chunk])
+            part_factors = batch.clip_rule(result.losses, result.norms)
+            part = result.weighted_sum(part_factors)  # before the next chunk's pass (engine buffers)
+            total = part if total is None else [a + b for a, b in zip(total, part)]
+            losses.append(result.losses)
+            norms.append(result.norms)
+            factors.append(part_factors)
+        assert total is not None
+        if len(losses) == 1:
+            return total, losses[0], norms[0], factors[0]
+        return total, torch.cat(losses), torch.cat(norms), torch.cat(factors)
 
     def apply_private_sum(self, batch: LocalBatch, clipped_sum: list[Tensor], losses: Tensor, norms: Tensor,
                           factors: Tensor) -> StepOutput:

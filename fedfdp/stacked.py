@@ -68,7 +68,7 @@ def unstackable_reason(federation: Federation) -> str | None:
 
     client, algorithm = federation.client, federation.algorithm
     client_type = type(client)
-    for name in ("training_step", "_private_step"):
+    for name in ("training_step", "_private_step", "clipped_sum"):
         if getattr(client_type, name) is not getattr(ClientModule, name):
             return f"{client_type.__name__} overrides ClientModule.{name}"
     if type(algorithm).client_start_params is not Algorithm.client_start_params:

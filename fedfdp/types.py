@@ -63,6 +63,12 @@ class LocalBatch:
     normalisation) and before the optimizer step: the place for data-independent terms such as
     FedProx's ``μ(w − w_t)`` or SCAFFOLD's ``c − c_i``. Inside the per-sample loss they would be
     clipped away (style.md §4.2); here they are post-processing and cost no privacy.
+
+    ``physical_batch_size = P`` bounds the memory of a private step on a large logical batch (e.g.
+    a full-batch step on all ``N_i`` records): the per-sample pass runs on consecutive chunks of at
+    most ``P`` records and the chunks' clipped sums are added before the one noise draw (gradient
+    accumulation; :meth:`fedfdp.client.ClientModule.clipped_sum`). The release is the same as one
+    pass, up to floating-point summation order. ``None``: one pass over the whole batch.
     """
 
     x: Tensor
@@ -74,6 +80,7 @@ class LocalBatch:
     generator: RandomSource | None = None
     loss_scale: Callable[[Tensor], Tensor] | None = None
     grad_transform: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None
+    physical_batch_size: int | None = None
 
 
 @dataclass

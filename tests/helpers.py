@@ -76,6 +76,23 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def per_sample_grads(client: ClientModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every record's loss gradient ``g_j`` (B × p, flattened like ``get_flat_params``) at the loaded
+    parameters, by ``torch.func.vmap(grad(...))``: a reference independent of the per-sample engines."""
+    from torch.func import functional_call, grad, vmap
+
+    names = [n for n, p in client.net.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in client.net.named_parameters() if p.requires_grad}
+    if x.shape[0] == 0:
+        return torch.zeros(0, sum(p.numel() for p in params.values()))
+
+    def loss(ps: dict[str, torch.Tensor], xj: torch.Tensor, yj: torch.Tensor) -> torch.Tensor:
+        return client.per_sample_loss(functional_call(client.net, ps, (xj[None],)), yj[None])[0]
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    return torch.cat([grads[n].reshape(x.shape[0], -1) for n in names], dim=1)
+
+
 class ReleaseTrace(FederationCallback):
     """Test-only witness of what the server received: one fsynced JSON line per upload.
 

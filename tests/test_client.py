@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fedfdp.privacy.clipping import FlatClip
+from fedfdp.privacy.clipping import FairClip, FlatClip
 from fedfdp.privacy.release import clipped_loss_sum, next_loss_bound, noisy_loss_release
 from fedfdp.seeding import torch_generator
 from fedfdp.types import LocalBatch
@@ -97,3 +100,33 @@ def test_grad_transform_reaches_the_update_after_privatisation():
     client.set_flat_params(start)
     client.training_step(LocalBatch(**kwargs, grad_transform=lambda ps, gs: [g + 3.0 for g in gs]))
     torch.testing.assert_close(base - client.get_flat_params(), torch.full_like(base, 3.0))
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(0, 40), chunk=st.integers(1, 50), fair=st.booleans(), seed=st.integers(0, 2**16))
+def test_chunked_private_step_is_the_one_pass_step(n, chunk, fair, seed):
+    """``physical_batch_size``: the same clipped sum, per-sample statistics and noise draw as one pass."""
+    x, y = _batch(n, seed)
+    rule = FairClip(0.5, fairness_weight=0.7, broadcast_loss=1.0) if fair else FlatClip(0.5)
+    kwargs = dict(x=x, y=y, lr=0.3, clip_rule=rule, noise_std=0.2, denominator=7.0)
+    client = tiny_client()
+    start = client.get_flat_params()
+    one_pass = client.clipped_sum(LocalBatch(**kwargs))
+    chunked = client.clipped_sum(LocalBatch(**kwargs, physical_batch_size=chunk))
+    for a, b in zip(one_pass[0], chunked[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(one_pass[1:], chunked[1:]):
+        assert a.shape == (n,) and b.shape == (n,)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    client.training_step(LocalBatch(**kwargs, generator=torch_generator(seed, "x")))
+    after_one_pass = client.get_flat_params()
+    client.set_flat_params(start)
+    client.training_step(LocalBatch(**kwargs, generator=torch_generator(seed, "x"), physical_batch_size=chunk))
+    torch.testing.assert_close(client.get_flat_params(), after_one_pass, rtol=1e-5, atol=1e-6)
+
+
+def test_physical_batch_size_must_be_positive():
+    x, y = _batch(4)
+    with pytest.raises(ValueError, match="physical_batch_size must be >= 1"):
+        tiny_client().training_step(LocalBatch(x=x, y=y, lr=0.1, clip_rule=FlatClip(1.0), noise_std=0.1,
+                                               generator=torch_generator(0, "x"), physical_batch_size=0))

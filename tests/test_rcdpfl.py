@@ -19,6 +19,7 @@ from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event
 from fedfdp.seeding import torch_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from tests.helpers import per_sample_grads
 
 SIZES = (2, 3, 3)  # 8 clients in 3 clusters; cluster 0 is the minority
 N_TRAIN = 60
@@ -125,28 +126,27 @@ def test_calibrated_run_spends_at_most_the_target_and_a_too_small_z_is_refused()
 
 
 # ---- local update and aggregation ---------------------------------------------------------------
-def test_full_batch_accumulation_equals_one_pass_and_the_clipped_mean():
+def test_full_batch_step_is_one_accumulated_pass_and_the_clipped_mean():
     dm = digits()
     dm.setup()
     x, y = dm.client_train(0)
     data = ClientData(client_id=0, x=x, y=y)
-    outs = []
-    for chunk in (7, 10_000):
+
+    def full_batch_step(chunk: int, z: float) -> tuple[torch.Tensor, torch.Tensor]:
         c = client()
         alg = RCDPFL(**ALG, noise_multiplier=1.0, physical_batch_size=chunk)
-        alg._full_batch_step(c, data, std=0.5, generator=torch_generator(0, "t"))
-        outs.append(c.get_flat_params())
-    assert torch.allclose(outs[0], outs[1], atol=1e-6)
-    c = client()  # noise-free: w − η · mean_j clip(g_j)
-    start = c.get_flat_params()
-    grads = []
-    for j in range(len(y)):
-        c.net.zero_grad()
-        c.per_sample_loss(c.net(x[j:j + 1]), y[j:j + 1]).sum().backward()
-        g = torch.cat([p.grad.flatten() for p in c.net.parameters()])
-        grads.append(g * min(1.0, 1.0 / float(g.norm())))
-    RCDPFL(**ALG, noise_multiplier=1.0, physical_batch_size=7)._full_batch_step(c, data, 0.0, torch_generator(0, "t"))
-    assert torch.allclose(c.get_flat_params(), start - 0.1 * torch.stack(grads).mean(0), atol=1e-5)
+        alg.noise_multipliers = np.array([z])  # z_0 (set by setup in a run)
+        batch = alg.private_batch(data, True, torch_generator(0, "t"))
+        assert torch.equal(batch.x, x) and batch.denominator == len(y) and batch.physical_batch_size == chunk
+        start = c.get_flat_params()
+        c.training_step(batch)
+        return start, c.get_flat_params()
+
+    assert torch.allclose(full_batch_step(7, 0.5)[1], full_batch_step(10_000, 0.5)[1], atol=1e-6)
+    start, end = full_batch_step(7, 0.0)  # noise-free: θ − η · mean_j clip(g_j, c)
+    g = per_sample_grads(client(), x, y)
+    clipped = g * torch.clamp(1.0 / g.norm(dim=1, keepdim=True), max=1.0)
+    assert torch.allclose(end, start - 0.1 * clipped.mean(0), atol=1e-5)
 
 
 def test_cluster_aggregation_weights_add_to_one_per_cluster():

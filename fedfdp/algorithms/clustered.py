@@ -9,7 +9,9 @@
   DP-SGD (spec §1.2): ``⌊N_i/b⌋`` steps per epoch on Poisson batches of rate ``q = b/N_i``,
   per-sample flat clipping at c, ``N(0, (c z_i)² I)`` on the clipped sum, division by the
   expected batch size ``b``. A full-batch round (RC-DPFL round 1, q = 1) accumulates the clipped
-  sum over physical chunks and draws the noise once per epoch (Appendix E).
+  sum over physical chunks and draws the noise once per epoch (Appendix E). Every step is the
+  engine's private step, :meth:`fedfdp.client.ClientModule.training_step` on
+  :meth:`ClusteredDPFL.private_batch` (the maths is written out there).
 * **Server half**: ``θ_m ← Σ_{i∈S_m} (N_i / Σ_{j∈S_m} N_j) θ_i`` over the clients that trained
   cluster m this round (= ``θ_m + Σ w_i Δ_i``; an empty cluster keeps its model).
   :meth:`aggregate` returns the ``N_i``-weighted mean of *all* uploads as the federation's
@@ -40,7 +42,6 @@ from fedfdp.algorithms.base import Algorithm
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.clipping import FlatClip
-from fedfdp.privacy.release import add_gaussian_noise
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask
@@ -71,8 +72,9 @@ class ClusteredDPFL(Algorithm):
         noise_multiplier: z for every client; null calibrates z_i per client in ``setup`` from
             ``target_epsilon`` over the whole schedule of ``model.num_rounds`` rounds.
         target_epsilon: ε the calibration aims at (null: the RDPAccounting callback's target).
-        physical_batch_size: chunk size of the full-batch gradient accumulation and of the
-            loss evaluations (memory only; results do not depend on it).
+        physical_batch_size: chunk size of the per-sample passes of a DP-SGD step (the full-batch
+            round's gradient accumulation, ``LocalBatch.physical_batch_size``) and of the loss
+            evaluations (memory only; results depend on it only through float summation order).
     """
 
     required_callbacks = (RDPAccounting,)
@@ -278,46 +280,50 @@ class ClusteredDPFL(Algorithm):
     # ---- client half ----------------------------------------------------------------------------
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: torch.Generator) -> ClientUpdate:
-        """(Select a cluster,) then K epochs of DP-SGD from its model (full batch in a full-batch round)."""
+        """(Select a cluster,) then K epochs of DP-SGD from its model (full batch in a full-batch round).
+
+        Every step is :meth:`ClientModule.training_step` on :meth:`private_batch`: K steps on all
+        N_i records in a full-batch round, else K·⌊N_i/b⌋ steps on Poisson batches.
+        """
         cluster = int(self.assignment[data.client_id])
         if self.selects(context.round):
             cluster = self._select(client, data, generator)
             client.set_flat_params(self.cluster_models[cluster])
-        std = float(self.noise_multipliers[data.client_id]) * self.max_grad_norm
-        if self.is_full_batch(context.round):
-            losses = [self._full_batch_step(client, data, std, generator) for _ in range(self.local_epochs)]
-        else:
-            losses = self._poisson_steps(client, data, std, generator)
+        full = self.is_full_batch(context.round)
+        steps = self.local_epochs * (1 if full else steps_per_epoch(data.size, self.batch_size))
+        losses = [client.training_step(self.private_batch(data, full, generator)).loss for _ in range(steps)]
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
                             dp_events=self.round_events(context.round, data.client_id, data.size),
                             diagnostics={"train_loss": float(np.mean(losses)) if losses else 0.0},
                             extras={"cluster": torch.tensor(cluster)})
 
-    def _poisson_steps(self, client: ClientModule, data: ClientData, std: float,
-                       generator: torch.Generator) -> list[float]:
-        q = min(1.0, self.batch_size / data.size)
-        rule, losses = FlatClip(self.max_grad_norm), []
-        for _ in range(self.local_epochs * steps_per_epoch(data.size, self.batch_size)):
-            mask = poisson_mask(data.size, q, generator)
-            out = client.training_step(LocalBatch(x=data.x[mask], y=data.y[mask], lr=self.lr, clip_rule=rule,
-                                                  noise_std=std, denominator=q * data.size, generator=generator))
-            losses.append(out.loss)
-        return losses
+    def private_batch(self, data: ClientData, full_batch: bool, generator: torch.Generator) -> LocalBatch:
+        """One DP-SGD step's input for client i (spec §0 and §1.2; the paper's notation).
 
-    def _full_batch_step(self, client: ClientModule, data: ClientData, std: float, generator: torch.Generator) -> float:
-        """One DP-SGD step on all N_i samples: clipped sum accumulated chunk by chunk, one noise draw."""
-        rule, total, loss_sum = FlatClip(self.max_grad_norm), None, 0.0
-        for start in range(0, data.size, self.physical_batch_size):
-            result = client.engine.compute(data.x[start:start + self.physical_batch_size],
-                                           data.y[start:start + self.physical_batch_size])
-            part = result.weighted_sum(rule(result.losses, result.norms))
-            total = part if total is None else [a + b for a, b in zip(total, part)]
-            loss_sum += float(result.losses.sum())
-        noisy = add_gaussian_noise(total, std, generator)
-        with torch.no_grad():
-            for param, grad in zip(client.trainable_parameters(), noisy):
-                param.sub_(grad, alpha=self.lr / data.size)
-        return loss_sum / data.size
+        The step ``θ ← θ − η_l · g̃`` with
+        ``g̃ = (1/b) [ Σ_{j∈B} clip(∇_θ ℓ(h(x_ij, θ), y_ij), c) + N(0, σ²_{i,DP} I_p) ]``,
+        ``clip(v, c) = min{‖v‖, c} · v/‖v‖`` (flat clipping at ``c`` = ``max_grad_norm``, so every
+        record adds at most ``c``) and ``σ_{i,DP} = c · z_i`` (``noise_std``, the client's calibrated
+        z_i), taken by :meth:`ClientModule.training_step`:
+
+        * normal round: ``B`` is a Poisson sample of rate ``q = min(1, b/N_i)`` (the next draw of
+          ``generator``) and the divisor is the *expected* batch size ``q·N_i`` (= b when b ≤ N_i);
+          accounted as the sampled Gaussian mechanism SGM(q, z_i), ⌊N_i/b⌋ steps per epoch;
+        * full-batch round (RC-DPFL round e = 1): ``B`` is all N_i records (q = 1), the divisor is
+          N_i; the clipped sum is accumulated over chunks of ``physical_batch_size`` records and the
+          noise drawn once (Appendix E); accounted as one Gaussian mechanism (q = 1) per epoch.
+
+        The noise is the step's next draw of ``generator``, after the batch's Poisson mask.
+        """
+        q = 1.0 if full_batch else min(1.0, self.batch_size / data.size)
+        x, y = data.x, data.y
+        if not full_batch:
+            mask = poisson_mask(data.size, q, generator)
+            x, y = x[mask], y[mask]
+        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
+                          noise_std=float(self.noise_multipliers[data.client_id]) * self.max_grad_norm,
+                          denominator=q * data.size, generator=generator,
+                          physical_batch_size=self.physical_batch_size)
 
     @torch.no_grad()
     def _select(self, client: ClientModule, data: ClientData, generator: torch.Generator) -> int:
