@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import yaml
 
-from fedfdp.fit import build_cli
+from fedfdp.cli.parser import build_cli
 from fedfdp.privacy.clipping import fair_clip_factors, fairness_coefficients
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     import wandb  # noqa: F401
     from lightning.pytorch.callbacks import Callback
 
-    from fedfdp.fit import build_cli
+    from fedfdp.cli.parser import build_cli
 
     import_rss, _ = status_mb()
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="fedfdp-memory-")

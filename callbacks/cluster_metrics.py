@@ -27,7 +27,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 
 from callbacks.base import FederationCallback
-from fedfdp.clustering import clustering_accuracy
+from fedfdp.algorithms.clustering import clustering_accuracy
 from fedfdp.errors import ConfigError, require
 from fedfdp.metrics import evaluate_clientwise
 from fedfdp.seeding import torch_generator

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedfdp.cli_errors import OneLineErrorParser
+from fedfdp.cli.errors import OneLineErrorParser
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The run directory: one run per directory, and a resume that is the same run.
 
 A run directory (``--run_dir``) holds one run: ``config.yaml``, ``metrics.csv``, ``checkpoints/``,
-``summary.json``, ``report.md``, ``privacy_ledger.jsonl``. The command line (:mod:`fedfdp.fit`)
+``summary.json``, ``report.md``, ``privacy_ledger.jsonl``. The command line (:mod:`fedfdp.cli.parser`)
 uses this module, before it writes anything, to
 
 * refuse a fresh start into a directory that already holds a run (:func:`run_files`);

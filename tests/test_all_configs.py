@@ -11,7 +11,7 @@ import pytest
 from datamodules.federated import FederatedDataModule
 from fedfdp import Federation
 from fedfdp.algorithms import Algorithm
-from fedfdp.fit import build_cli
+from fedfdp.cli.parser import build_cli
 from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))

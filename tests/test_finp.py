@@ -17,9 +17,9 @@ from torch.func import functional_call
 from callbacks import RDPAccounting, SourceInferenceAudit
 from fedfdp.algorithms import DPFedAvg, DPFinP, FinP
 from fedfdp.algorithms.finp import CURVATURE_RELEASE
-from fedfdp.finp_math import (ala_weights, explicit_pca_distances, gram_matrix, hessian_vector_product,
-                              hutchinson_trace, log_lipschitz_bound, overfitting_rank, pca_distances, pca_weights,
-                              power_iteration)
+from fedfdp.algorithms.finp_math import (ala_weights, explicit_pca_distances, gram_matrix, hessian_vector_product,
+                                         hutchinson_trace, log_lipschitz_bound, overfitting_rank, pca_distances,
+                                         pca_weights, power_iteration)
 from tests.conftest import REPO
 from tests.helpers import run_federation
 

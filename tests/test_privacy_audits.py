@@ -13,8 +13,8 @@ from torch import nn
 from callbacks import MembershipInferenceAudit, SourceInferenceAudit
 from fedfdp.algorithms import FedAvg
 from fedfdp.metrics import jain_index
-from fedfdp.privacy_metrics import (convergence_round, cov, eod, fairness_in_privacy, loss_cov, sia_accuracy,
-                                    sia_loss_matrix, summarize_rounds)
+from fedfdp.privacy.sia_metrics import (convergence_round, cov, eod, fairness_in_privacy, loss_cov, sia_accuracy,
+                                        sia_loss_matrix, summarize_rounds)
 from tests.helpers import run_federation
 
 

@@ -12,7 +12,7 @@ from datamodules import ClusteredDigitsDataModule
 from fedfdp import ClientModule, Federation
 from fedfdp.aggregate import weighted_mean
 from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL, DPFedAvg, LocalDPSGD, OracleCDPFL
-from fedfdp.clustering import auto_cluster_rounds, clustering_accuracy, fit_gmm, max_overlap, project_updates
+from fedfdp.algorithms.clustering import auto_cluster_rounds, clustering_accuracy, fit_gmm, max_overlap, project_updates
 from fedfdp.errors import ConfigError
 from fedfdp.models import TinyCNN
 from fedfdp.privacy.accounting import DPEvent, epsilon_of

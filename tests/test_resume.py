@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedfdp.fit import build_cli, main
+from fedfdp.cli.parser import build_cli
+from fedfdp.fit import main
 from fedfdp.report import read_series
 from tests.conftest import REPO
 from tests.test_cli import TINY

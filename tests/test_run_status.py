@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 
+from fedfdp.cli.trainer_options import REFUSED_TRAINER_OPTIONS
 from fedfdp.fit import main
-from fedfdp.trainer_options import REFUSED_TRAINER_OPTIONS
 from tests.conftest import REPO
 from tests.test_cli import TINY
 

@@ -25,13 +25,13 @@ from torch import Tensor
 from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.finp_client import RegularisedClient
+from fedfdp.algorithms.finp_math import (LipschitzEstimator, ala_weights, curvature_stats, gram_matrix,
+                                         overfitting_rank, pca_distances, pca_weights)
 from fedfdp.errors import require
-from fedfdp.finp_math import (LipschitzEstimator, ala_weights, curvature_stats, gram_matrix, overfitting_rank,
-                              pca_distances, pca_weights)
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import NormalizeBy, add_gaussian_noise
+from fedfdp.privacy.sia_metrics import cov
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.privacy_metrics import cov
 from fedfdp.seeding import poisson_mask, torch_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
 

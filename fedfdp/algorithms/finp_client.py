@@ -2,7 +2,7 @@
 
 :class:`RegularisedClient` wraps a :class:`fedfdp.client.ClientModule` so that every local step of
 :class:`FedAvg` / :class:`DPFedAvg` gets ``grad_transform``: ``g ← g + β ρ_k s ∇_θ log L(θ)`` where
-``log L`` is :func:`fedfdp.finp_math.log_lipschitz_bound` (weights only). ``s`` is the batch CE
+``log L`` is :func:`fedfdp.algorithms.finp_math.log_lipschitz_bound` (weights only). ``s`` is the batch CE
 (``loss_ratio``, non-private: the value reaches the transform through ``LocalBatch.loss_scale``,
 which returns 1 and so leaves the CE step unchanged), ``L`` itself (``raw``), or a constant under
 DP. Added after privatisation, the term is post-processing and costs no privacy.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedfdp.finp_math import LipschitzEstimator, log_lipschitz_bound
+from fedfdp.algorithms.finp_math import LipschitzEstimator, log_lipschitz_bound
 from fedfdp.types import LocalBatch, StepOutput
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fedfdp.algorithms.clustered import ClusteredDPFL
-from fedfdp.clustering import kmeans_labels
+from fedfdp.algorithms.clustering import kmeans_labels
 from fedfdp.types import ClientUpdate, RoundContext
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fedfdp.algorithms.clustered import ClusteredDPFL, Selection
 from fedfdp.aggregate import weighted_mean
-from fedfdp.clustering import Scaler, auto_cluster_rounds, fit_gmm, max_overlap, project_updates
+from fedfdp.algorithms.clustering import Scaler, auto_cluster_rounds, fit_gmm, max_overlap, project_updates
 from fedfdp.errors import require
 from fedfdp.seeding import numpy_generator
 from fedfdp.types import ClientUpdate, RoundContext

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedfdp.cli_errors import OneLineErrorParser
+from fedfdp.cli.errors import OneLineErrorParser
 
 __all__ = ["OneLineErrorParser", "add_dry_run", "add_list_option", "print_command"]
 

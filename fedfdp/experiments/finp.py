@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
-from fedfdp.privacy_metrics import convergence_round
+from fedfdp.privacy.sia_metrics import convergence_round
 
 
 logger = logging.getLogger(__name__)

@@ -73,7 +73,7 @@ from typing import Any
 
 import yaml
 
-from fedfdp.cli_errors import config_file_problem
+from fedfdp.cli.errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,

@@ -31,7 +31,7 @@ app = ClientApp()
 
 def _node(message: Message, context: Context):  # type: ignore[no-untyped-def]
     """The client of this node for the run's config (heavy imports happen here, per message)."""
-    from fedfdp.cli_logging import configure_logging
+    from fedfdp.cli.log_setup import configure_logging
     from fedfdp.flower.node import NodeClient, NodeSettings
 
     configure_logging()

@@ -40,9 +40,9 @@ from torch.nn.utils import vector_to_parameters
 
 from callbacks.base import FederationCallback, find_accountant
 from datamodules.checks import is_int
+from fedfdp.cli.parser import FedFDPCLI, build_cli
 from fedfdp.errors import require
 from fedfdp.federation import Federation
-from fedfdp.fit import FedFDPCLI, build_cli
 from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
 from fedfdp.flower.protocol import NodeDescription
 from fedfdp.metrics import evaluate_clientwise

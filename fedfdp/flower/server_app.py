@@ -74,7 +74,7 @@ class ServerSettings:
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> ServerSettings:
         """Parse and check the run config (one-line ``ConfigError`` on a bad value)."""
-        from fedfdp.cli_errors import config_file_problem
+        from fedfdp.cli.errors import config_file_problem
         from fedfdp.errors import require
 
         unknown = sorted(set(run_config) - set(_KEYS))
@@ -156,7 +156,8 @@ def _query_nodes(grid: Grid, node_ids: list[int], config: str, num_clients: int,
 
 def run_server(grid: Grid, settings: ServerSettings) -> Path:
     """Run the configured federation over ``grid``'s nodes; the run directory."""
-    from fedfdp.fit import RunDirGuard, build_cli
+    from fedfdp.cli.parser import build_cli
+    from fedfdp.cli.rundir_guard import RunDirGuard
     from fedfdp.flower.strategy import FlowerFederation, RemoteClients
 
     args = ["--config", str(settings.config), *settings.overrides]
@@ -194,8 +195,8 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: :func:`run_server` with the run config; errors as one line."""
     from fedfdp.errors import FedFDPError
-    from fedfdp.cli_errors import fedfdp_cause, one_line
-    from fedfdp.cli_logging import configure_logging
+    from fedfdp.cli.errors import fedfdp_cause, one_line
+    from fedfdp.cli.log_setup import configure_logging
 
     configure_logging()
     # the ServerApp process has its own command line; the run's arguments are the run config's

@@ -1,4 +1,4 @@
-"""Privacy maths: per-sample gradients, clip rules, Gaussian releases, RDP accounting, λ*."""
+"""Privacy maths: per-sample gradients, clip rules, Gaussian releases, RDP accounting, λ*, SIA metrics."""
 
 from fedfdp.privacy.accounting import (OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of,
                                        max_rounds)

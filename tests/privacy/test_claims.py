@@ -187,7 +187,7 @@ def test_every_shipped_dp_config_declares_every_upload_private(tmp_path):
     """Every config with an accountant and no allow_non_private builds a run whose claims hold."""
     import yaml
 
-    from fedfdp.fit import build_cli
+    from fedfdp.cli.parser import build_cli
 
     repo = Path(__file__).resolve().parents[2]
     checked = 0

@@ -5,6 +5,9 @@ client ``j`` (``K`` models × ``K`` sources × ``N`` records). The source infere
 model with the smallest loss (ties: lowest index); ``a_j`` is the fraction of client ``j``'s
 targets attributed to ``j`` (Eq. 5, a per-client true-positive rate). ``M[j, k] = mean_n ell[k, j, n]``
 is the loss-based "confidence" matrix. All functions are pure.
+
+Used by the source inference audit (:mod:`callbacks.sia`), FinP's dispersion term
+(:mod:`fedfdp.algorithms.finp`) and the FinP table harness (:mod:`fedfdp.experiments.finp`).
 """
 
 from __future__ import annotations

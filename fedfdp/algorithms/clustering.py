@@ -1,6 +1,7 @@
 """Clustering of noisy model updates and clustering accuracy (RC-DPFL spec §1.4, §1.5, §5, §6.2).
 
-Pure numpy / scikit-learn functions; the clustered algorithms keep the state.
+Pure numpy / scikit-learn functions; the clustered algorithms (:mod:`fedfdp.algorithms.rcdpfl`,
+:mod:`fedfdp.algorithms.kmcdpfl`) keep the state, :mod:`callbacks.cluster_metrics` scores them.
 
 * :func:`project_updates`: PCA of the ``n × p`` update matrix to a few components, then a
   per-coordinate min–max (or standard) scaling (spec §1.4 steps 2–3, ambiguity A2).

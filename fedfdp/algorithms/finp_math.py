@@ -1,6 +1,7 @@
 """Pure maths of FinP (seed 003, spec ``finp.md`` §1): curvature, rank ρ, PCA/ALA weights, Lipschitz bound.
 
-Everything here takes tensors / arrays and plain numbers, never a trainer or a client:
+Everything here takes tensors / arrays and plain numbers, never a trainer or a client (the state is
+:mod:`fedfdp.algorithms.finp`'s and :mod:`fedfdp.algorithms.finp_client`'s):
 
 - :func:`hessian_vector_product` / :func:`power_iteration` / :func:`hutchinson_trace`: the client's
   curvature statistics ``(λ_max, tr H)`` of its plain cross-entropy at the local model (spec §1.2).

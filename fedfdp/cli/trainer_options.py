@@ -3,7 +3,8 @@
 A federation's ``Trainer.fit`` runs one training step per round (:mod:`fedfdp.federation`): the
 number of rounds, evaluation, local steps and checkpoints come from fedfdp's own options. A
 Trainer option that would be silently overridden or ignored is refused instead, with one line
-naming what to use. Every other Trainer option works as in Lightning.
+naming what to use. Every other Trainer option works as in Lightning; the refused ones and
+:data:`HIDDEN_TRAINER_OPTIONS` are left out of ``--help`` (:mod:`fedfdp.cli.parser`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from fedfdp.errors import ConfigError
 
-__all__ = ["REFUSED_TRAINER_OPTIONS", "check_trainer_options"]
+__all__ = ["HIDDEN_TRAINER_OPTIONS", "REFUSED_TRAINER_OPTIONS", "check_trainer_options"]
 
 _ROUNDS = "--model.num_rounds N (one training step is one round; null runs to the privacy budget)"
 _EVAL = "--model.eval_every N (the federation evaluates every client's test split itself)"
@@ -42,6 +43,10 @@ REFUSED_TRAINER_OPTIONS: dict[str, str] = {
     "enable_autolog_hparams": "nothing: the resolved config is logged to every logger",
     "model_registry": "nothing: checkpoints are in the run directory's checkpoints/",
 }
+
+#: Trainer options that work but say little about a federated run: accepted, not in --help. The
+#: options a federated run cannot honour are refused (:data:`REFUSED_TRAINER_OPTIONS`) and not in --help.
+HIDDEN_TRAINER_OPTIONS = ("enable_model_summary",)
 
 #: Values accepted besides the default, which do what fedfdp does anyway.
 _ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {"precision": (None, 32, "32", "32-true"),
