@@ -135,7 +135,7 @@ def test_full_batch_step_is_one_accumulated_pass_and_the_clipped_mean():
     def full_batch_step(chunk: int, z: float) -> tuple[torch.Tensor, torch.Tensor]:
         c = client()
         alg = RCDPFL(**ALG, noise_multiplier=1.0, physical_batch_size=chunk)
-        alg.noise_multipliers = np.array([z])  # z_0 (set by setup in a run)
+        alg.client_noise_multipliers = np.array([z])  # z_0 (set by setup in a run)
         batch = alg.private_batch(data, True, torch_generator(0, "t"))
         assert torch.equal(batch.x, x) and batch.denominator == len(y) and batch.physical_batch_size == chunk
         start = c.get_flat_params()

@@ -102,7 +102,7 @@ class ClusteredDPFL(Algorithm):
         self.selection_rounds: int | None = None
         self.cluster_models = torch.zeros(0)
         self.assignment = np.zeros(0, dtype=np.int64)
-        self.noise_multipliers = np.zeros(0)
+        self.client_noise_multipliers = np.zeros(0)  # z_i, resolved in setup (noise_multiplier or calibrated)
         self.planned_epsilon: float | None = None
         self.seed, self.num_rounds = 0, 0
         self._round: int | None = None
@@ -138,17 +138,17 @@ class ClusteredDPFL(Algorithm):
             by_size = {n: calibrate_noise_multiplier(lambda z, n=n: self.planned_schedule(z, n),
                                                      target_epsilon=float(target), delta=accountant.delta,
                                                      orders=accountant.orders) for n in set(sizes)}
-            self.noise_multipliers = np.array([by_size[n] for n in sizes])
+            self.client_noise_multipliers = np.array([by_size[n] for n in sizes])
         else:
-            self.noise_multipliers = np.full(len(sizes), float(self.noise_multiplier))
+            self.client_noise_multipliers = np.full(len(sizes), float(self.noise_multiplier))
         self.planned_epsilon = max(epsilon_of(self.planned_schedule(float(z), n), accountant.delta, accountant.orders)
-                                   for z, n in zip(self.noise_multipliers, sizes))
+                                   for z, n in zip(self.client_noise_multipliers, sizes))
         for limit in (self.target_epsilon, accountant.target_epsilon):
             require(limit is None or self.planned_epsilon <= limit + 1e-9,
                     f"algorithm.noise_multiplier={self.noise_multiplier} spends epsilon={self.planned_epsilon:.4f} "
                     f"over {self.num_rounds} rounds, over the target {limit}")
-        logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f at delta %g", name, self.noise_multipliers.min(),
-                    self.noise_multipliers.max(), self.planned_epsilon, accountant.delta)
+        logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f at delta %g", name, self.client_noise_multipliers.min(),
+                    self.client_noise_multipliers.max(), self.planned_epsilon, accountant.delta)
         initial = parameters_to_vector(federation.global_model.parameters()).detach()
         self.cluster_models = self.initial_models(initial, federation)
         self.assignment = self.initial_assignment(federation)
@@ -156,7 +156,7 @@ class ClusteredDPFL(Algorithm):
     def dp_releases(self) -> list[DPRelease]:
         """The local DP-SGD model update (z_i after calibration) and, with ``selection: loss``, the
         seed's unnoised cluster selection (an argmin of training losses: no guarantee)."""
-        sigma = float(self.noise_multipliers.min()) if len(self.noise_multipliers) else self.noise_multiplier
+        sigma = float(self.client_noise_multipliers.min()) if len(self.client_noise_multipliers) else self.noise_multiplier
         releases = [DPRelease(name="model update", noise_field="algorithm.noise_multiplier",
                               noise_multiplier=sigma if sigma is not None else 0.0,
                               bound_field="algorithm.max_grad_norm", clip_bound=self.max_grad_norm)]
@@ -214,7 +214,7 @@ class ClusteredDPFL(Algorithm):
 
         ``round_idx=None``: a normal round's training events only (no full batch, no selection).
         """
-        z = float(self.noise_multipliers[client_id]) if len(self.noise_multipliers) else self.noise_multiplier
+        z = float(self.client_noise_multipliers[client_id]) if len(self.client_noise_multipliers) else self.noise_multiplier
         events = [(MODEL_RELEASE, dpsgd_round_event(noise_multiplier=float(z), dataset_size=dataset_size,
                                                     batch_size=self.batch_size, local_epochs=self.local_epochs,
                                                     full_batch=round_idx is not None
@@ -321,7 +321,7 @@ class ClusteredDPFL(Algorithm):
             mask = poisson_mask(data.size, q, generator)
             x, y = x[mask], y[mask]
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
-                          noise_std=float(self.noise_multipliers[data.client_id]) * self.max_grad_norm,
+                          noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
                           denominator=q * data.size, generator=generator,
                           physical_batch_size=self.physical_batch_size)
 

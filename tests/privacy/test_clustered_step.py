@@ -70,7 +70,7 @@ def local_round(cls: type[ClusteredDPFL], *, round_idx: int, clip: float, zs: li
               noise_multiplier=1.0, physical_batch_size=chunk)
     client = SpyClient()
     # the state ``setup`` would build: calibrated z_i, cluster models, assignment (and IFCA's selection)
-    alg.noise_multipliers = np.array(zs)
+    alg.client_noise_multipliers = np.array(zs)
     alg.cluster_models = client.get_flat_params().unsqueeze(0).repeat(NUM_CLIENTS, 1)
     alg.assignment = np.arange(NUM_CLIENTS) % 2
     alg.selection_epsilon, alg.selection_rounds = 1.0, 1
@@ -86,7 +86,7 @@ def local_round(cls: type[ClusteredDPFL], *, round_idx: int, clip: float, zs: li
 
 def check_steps(alg: ClusteredDPFL, client: SpyClient, data: ClientData, round_idx: int) -> None:
     """Invariants 1-3 of the module docstring for every recorded step."""
-    clip, z = alg.max_grad_norm, float(alg.noise_multipliers[data.client_id])
+    clip, z = alg.max_grad_norm, float(alg.client_noise_multipliers[data.client_id])
     full = alg.is_full_batch(round_idx)
     q = 1.0 if full else min(1.0, BATCH / N_I)
     assert len(client.steps) == alg.local_epochs * (1 if full else N_I // BATCH)

@@ -65,6 +65,14 @@ def test_every_release_made_is_declared_and_checked(cls):
     for cb in fed.federation_callbacks():
         declared += cb.dp_releases(fed)
     assert recorder.events, "a DP algorithm released nothing"
+    owners = [algorithm, *fed.federation_callbacks()]
+    for release in declared:  # one meaning: a field named *noise_multiplier is the σ its release charges
+        owner_name, leaf = release.noise_field.rsplit(".", 1)
+        if not leaf.endswith("noise_multiplier"):
+            continue
+        owner = algorithm if owner_name == "algorithm" else next(
+            o for o in owners if owner_name in {c.__name__ for c in type(o).__mro__})
+        assert release.noise_multiplier == getattr(owner, leaf), (release.name, release.noise_field)
     sigmas = {r.noise_multiplier for r in declared}
     for kind, event in recorder.events:
         assert event.noise_multiplier in sigmas, f"{kind} release with σ={event.noise_multiplier} is not declared"
