@@ -1,16 +1,69 @@
-"""Federation callbacks: Lightning ``Callback`` subclasses with federation hooks."""
+"""Federation callbacks: Lightning ``Callback`` subclasses with federation hooks.
 
-from callbacks.accounting import RDPAccounting
-from callbacks.base import FederationCallback
-from callbacks.cluster_metrics import ClusterMetrics
-from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
-from callbacks.interrupt import GracefulInterrupt
-from callbacks.loss_reporting import LossReporting, NoisyLossReporting
-from callbacks.mia import MembershipInferenceAudit
-from callbacks.progress import RoundProgressBar
-from callbacks.sia import SourceInferenceAudit
-from callbacks.summary import ClientTableLogger, RunSummary
+A lazy registry (PEP 562), as :mod:`fedfdp.algorithms`: ``import callbacks`` imports no callback
+module; ``callbacks.RDPAccounting`` (or a ``class_path: callbacks.X`` in a config) imports the one
+module that defines it. A run then does not import what only other runs use (the clustering
+metrics' scikit-learn, the audits).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from callbacks.accounting import RDPAccounting
+    from callbacks.base import FederationCallback
+    from callbacks.cluster_metrics import ClusterMetrics
+    from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
+    from callbacks.interrupt import GracefulInterrupt
+    from callbacks.loss_reporting import LossReporting, NoisyLossReporting
+    from callbacks.mia import MembershipInferenceAudit
+    from callbacks.progress import RoundProgressBar
+    from callbacks.sia import SourceInferenceAudit
+    from callbacks.summary import ClientTableLogger, RunSummary
+
+#: Public name → the module that defines it.
+REGISTRY: dict[str, str] = {
+    "RDPAccounting": "callbacks.accounting",
+    "FederationCallback": "callbacks.base",
+    "ClusterMetrics": "callbacks.cluster_metrics",
+    "GlobalLossReporting": "callbacks.global_loss",
+    "NoisyGlobalLossReporting": "callbacks.global_loss",
+    "GracefulInterrupt": "callbacks.interrupt",
+    "LossReporting": "callbacks.loss_reporting",
+    "NoisyLossReporting": "callbacks.loss_reporting",
+    "MembershipInferenceAudit": "callbacks.mia",
+    "RoundProgressBar": "callbacks.progress",
+    "SourceInferenceAudit": "callbacks.sia",
+    "ClientTableLogger": "callbacks.summary",
+    "RunSummary": "callbacks.summary",
+}
 
 __all__ = ["ClientTableLogger", "ClusterMetrics", "FederationCallback", "GlobalLossReporting", "GracefulInterrupt", "LossReporting",
            "MembershipInferenceAudit", "NoisyGlobalLossReporting", "NoisyLossReporting", "RDPAccounting",
            "RoundProgressBar", "RunSummary", "SourceInferenceAudit"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` (once; later accesses find it in the namespace)."""
+    module = REGISTRY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'callbacks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_all() -> dict[str, Any]:
+    """Import every registered callback module; returns ``name → class``."""
+    return {name: __getattr__(name) for name in REGISTRY}
+
+
+def all_loaded() -> bool:
+    """Whether every registered callback has been imported (e.g. by :func:`load_all`)."""
+    return all(name in globals() for name in REGISTRY)

@@ -64,3 +64,29 @@ def test_short_name_resolves_on_the_command_line(capsys):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
                           env={**__import__("os").environ, "WANDB_MODE": "disabled"})
     assert "class_path: fedfdp.FedAvg" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_importing_callbacks_imports_no_callback_module():
+    probe = ("import sys, callbacks\n"
+             "print(','.join(sorted(m for m in sys.modules if m.startswith('callbacks.'))))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ""
+
+
+def test_callback_registry_names_every_public_callback():
+    import inspect
+    import pkgutil
+
+    import callbacks
+
+    assert set(callbacks.REGISTRY) == set(callbacks.__all__)
+    loaded = callbacks.load_all()
+    for name, module in callbacks.REGISTRY.items():
+        assert loaded[name].__module__ == module, name
+    from lightning.pytorch.callbacks import Callback
+
+    for info in pkgutil.iter_modules(callbacks.__path__):  # every public Callback class in the package is registered
+        module = __import__(f"callbacks.{info.name}", fromlist=["_"])
+        for name, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, Callback) and obj.__module__ == module.__name__ and not name.startswith("_"):
+                assert name in callbacks.REGISTRY, f"callbacks.{info.name}.{name} is not in callbacks.REGISTRY"

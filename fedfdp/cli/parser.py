@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import Logger
 
+import callbacks
 import fedfdp.algorithms as algorithms
 from callbacks.base import find_accountant
 from callbacks.interrupt import GracefulInterrupt
@@ -117,8 +118,9 @@ class FedFDPCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as err:
             # a short name (``--model.algorithm FedAvg``) resolves only among imported algorithms
-            if not algorithms.all_loaded():
+            if not (algorithms.all_loaded() and callbacks.all_loaded()):
                 algorithms.load_all()
+                callbacks.load_all()
                 return self.parse_arguments(parser, args)
             raise ConfigError(explain_parse_error(str(err), parser)) from err
         self.check_trainer_options(parser)
@@ -274,7 +276,8 @@ def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = 
     """
     args = with_saved_config(sys.argv[1:] if args is None else args)
     if any(arg in ("-h", "--help") or arg.split("=")[0].endswith(".help") for arg in args):
-        algorithms.load_all()  # --help lists every algorithm (jsonargparse lists the imported subclasses)
+        algorithms.load_all()  # --help lists every algorithm and callback (jsonargparse lists the imported subclasses)
+        callbacks.load_all()
     with warnings.catch_warnings():
         # passing the (rewritten) command line as ``args`` is deliberate: without this filter every
         # command-line run printed LightningCLI's "args parameter is intended to run from within Python"
