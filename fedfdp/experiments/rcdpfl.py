@@ -6,8 +6,10 @@ Methods × ε × seeds, each one subprocess ``python -m fedfdp.fit --config <gen
 failed run is reported and the others go on). The generated config,
 ``<out>/configs/<dataset>_<method>_eps<ε>_s<seed>.yaml``, is ``configs/rcdpfl/<dataset>_<method>.yaml``
 with the seed, the round count and ``RDPAccounting.target_epsilon`` set; the clustered algorithms
-calibrate z_i for that target themselves (two-stage for RC-DPFL), and DPFedAvg gets its
-one-stage z from :func:`fedfdp.privacy.schedule.calibrate_noise_multiplier` here. Columns (spec §5, in %):
+calibrate z_i for that target themselves (two-stage for RC-DPFL), and DPFedAvg gets here the
+smallest z whose whole-run schedule (the algorithm's own per-round events,
+``DPFedAvg.planned_dp_events``, over the run's rounds) meets the target
+(:func:`fedfdp.privacy.schedule.calibrate_noise_multiplier`). Columns (spec §5, in %):
 All / Maj / Min mean test accuracy, worst client, max−min disparity, F_acc / F_loss (privacy-cost
 spread against the non-private per-cluster reference models), clustering accuracy of the final
 assignment and of RC-DPFL's round-1 GMM, spent ε. Writes ``results.csv`` (one row per run) and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +32,7 @@ from fedfdp.errors import ConfigError
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import format_mean_std, group_rows, read_summary
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
-from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
 LABELS = {"dpfedavg": "DPFedAvg", "ifca": "IFCA (f-CDPFL)",
@@ -65,22 +68,40 @@ def _callback(config: dict[str, Any], name: str) -> dict[str, Any]:
     raise KeyError(name)
 
 
+def _algorithm(class_path: str, init_args: dict[str, Any]) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)(**init_args)
+
+
+def one_stage_noise_multiplier(algorithm: dict[str, Any], *, rounds: int, epsilon: float, delta: float,
+                               orders: Sequence[float] = PAPER_ORDERS) -> float:
+    """The smallest z with which ``rounds`` rounds of the algorithm (a config's ``class_path`` and
+    ``init_args``) spend at most ``epsilon``: its whole-run schedule is its own per-round events
+    (``planned_dp_events``, as the accountant charges them) repeated ``rounds`` times."""
+
+    def schedule(z: float) -> list[DPEvent]:
+        per_round = _algorithm(algorithm["class_path"], {**algorithm["init_args"], "noise_multiplier": z})
+        return [event.repeated(rounds) for _, event in per_round.planned_dp_events(client_id=0, dataset_size=1)]
+
+    return calibrate_noise_multiplier(schedule, target_epsilon=epsilon, delta=delta, orders=orders)
+
+
 def make_config(base: Path, *, seed: int, epsilon: float, rounds: int | None) -> dict[str, Any]:
     """The base config with the seed, rounds and target ε set (and DPFedAvg's one-stage z)."""
     config = yaml.safe_load(base.read_text())
     config["seed_everything"] = seed
     if rounds is not None:
         config["model"]["num_rounds"] = rounds
-    accountant = _callback(config, "RDPAccounting")
-    accountant["target_epsilon"] = epsilon
+    accounting = _callback(config, "RDPAccounting")
+    accounting["target_epsilon"] = epsilon
     algorithm = config["model"]["algorithm"]
     if algorithm["class_path"].endswith("DPFedAvg"):
-        args = algorithm["init_args"]
-        event = DPEvent(noise_multiplier=1.0, sample_rate=float(args["sample_rate"]), steps=int(args.get("local_steps", 1)))
-        total = event.steps * int(config["model"]["num_rounds"])
-        args["noise_multiplier"] = calibrate_noise_multiplier(
-            lambda z: [DPEvent(noise_multiplier=z, sample_rate=event.sample_rate, steps=total)],
-            target_epsilon=epsilon, delta=float(accountant.get("delta", 1e-5)))
+        from callbacks.accounting import RDPAccounting  # the run's accountant: its δ and RDP orders
+
+        accountant = RDPAccounting(**accounting)
+        algorithm["init_args"]["noise_multiplier"] = one_stage_noise_multiplier(
+            algorithm, rounds=int(config["model"]["num_rounds"]), epsilon=epsilon, delta=accountant.delta,
+            orders=accountant.orders)
     return config
 
 
