@@ -109,3 +109,16 @@ def test_harness_runs_a_two_round_cli_fit_with_cluster_metrics_within_budget(tmp
     assert "cluster_rounds" in (run_dir / "metrics.csv").read_text().splitlines()[0]
     assert "| 5 | RC-DPFL |" in (out / "table.md").read_text()
     assert main(argv) == 0  # finished runs are skipped
+
+
+def test_dpfedavg_noise_is_calibrated_on_the_algorithms_own_schedule():
+    """The harness calibrates DPFedAvg on its planned per-round events over the run: the z of one
+    Poisson-sampled Gaussian mechanism run local_steps × rounds times."""
+    from fedfdp.privacy.schedule import calibrate_noise_multiplier
+
+    config = make_config(REPO / "configs/rcdpfl/mnist_dpfedavg.yaml", seed=0, epsilon=3.0, rounds=7)
+    args = config["model"]["algorithm"]["init_args"]
+    one_stage = lambda z: [DPEvent(noise_multiplier=z, sample_rate=args["sample_rate"],  # noqa: E731
+                                   steps=args["local_steps"] * 7)]
+    assert args["noise_multiplier"] == calibrate_noise_multiplier(one_stage, target_epsilon=3.0, delta=1e-4)
+    assert epsilon_of(one_stage(args["noise_multiplier"]), 1e-4) <= 3.0

@@ -3,7 +3,9 @@
 Rows: the baseline FedAvg, FinP_client, FinP_server(PCA/ALA), FinP(PCA/ALA) (spec §1.8), a β
 ablation, and DP rows (DP-FedAvg, FinP + DP-SGD, FedFDP, each with the same SIA/MIA audit). Each
 run is one subprocess ``python -m fedfdp.fit --config <config> --run_dir <out>/<row>/seed<k>
---seed_everything k <overrides>``; finished runs are skipped, interrupted ones resumed. Columns
+--seed_everything k <overrides>`` launched by :class:`fedfdp.experiments.runner.Runner`
+(finished runs are skipped, interrupted ones resumed); the first failed run stops the command.
+The table holds the mean over seeds. Columns
 follow spec §3: train / test accuracy = mean over the last 5 evaluations; Mean(SIA) = mean over
 rounds of the client-mean SIA accuracy, Max(SIA) = its maximum over rounds (both %); CoV, FI, EOD,
 CoV(Loss), FI(Loss) = means over rounds; Converge = first round ≥ 0.98 × final level that stays
@@ -12,23 +14,16 @@ there; plus MIA AUC of the final global model, ε and seconds per round.
 
 from __future__ import annotations
 
-import logging
-
 import argparse
 import csv
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments.results import read_summary
+from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.privacy.sia_metrics import convergence_round
 
-
-logger = logging.getLogger(__name__)
 
 CONFIG = "{config}"  # the dataset's FinP config (see DATASETS)
 DP_CONFIG = "configs/finp_fmnist_dp.yaml"
@@ -91,28 +86,16 @@ def selected_rows(spec: str | list[str]) -> list[str]:
     return [name for name, (group, *_) in ROWS.items() if name in wanted or group in wanted]
 
 
-def command(name: str, seed: int, run_dir: Path, rounds: int | None, dataset: str = "fmnist") -> list[str]:
-    """The ``fedfdp.fit`` command line of one run."""
+def run_spec(name: str, seed: int, out: Path, rounds: int | None, dataset: str = "fmnist") -> RunSpec:
+    """The run of row ``name`` and ``seed``: ``<out>/<name>/seed<seed>``."""
     _, _, config, overrides = ROWS[name]
     finp_config, fedavg, _ = DATASETS[dataset]
-    config = config.format(config=finp_config)
-    overrides = fedavg if overrides == FEDAVG else overrides
-    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", config, "--run_dir", str(run_dir),
-           "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false", "--wandb", "disabled", *overrides]
+    args = ["--trainer.enable_progress_bar", "false", "--wandb", "disabled",
+            *(fedavg if overrides == FEDAVG else overrides)]
     if rounds is not None:
-        cmd += ["--model.num_rounds", str(rounds)]
-    if (run_dir / "checkpoints" / "last.ckpt").exists():
-        cmd += ["--ckpt_path", "last"]
-    return cmd
-
-
-def finished(run_dir: Path) -> bool:
-    """Whether the run wrote a summary covering every planned round."""
-    path = run_dir / "summary.json"
-    if not path.exists():
-        return False
-    summary = json.loads(path.read_text())
-    return summary["rounds_run"] >= summary["rounds_planned"]
+        args += ["--model.num_rounds", str(rounds)]
+    return RunSpec(run_dir=out / name / f"seed{seed}", config=Path(config.format(config=finp_config)), seed=seed,
+                   args=tuple(args))
 
 
 def row_values(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -149,31 +132,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not DATASETS[args.dataset][2]:
         rows = [r for r in rows if ROWS[r][0] != "dp"]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
-    for name in rows:
-        for seed in seeds:
-            run_dir = out / name / f"seed{seed}"
-            if finished(run_dir):
-                logger.info("skip %s seed %s (finished)", name, seed)
-                continue
-            cmd = command(name, seed, run_dir, args.rounds, args.dataset)
-            if args.dry_run:  # the dry run's output is the list of commands
-                print_command(cmd)
-                continue
-            logger.info("%s", " ".join(cmd))
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                logger.error("FAILED %s seed %s:\n%s", name, seed, proc.stderr[-3000:])
-                return proc.returncode
-            logger.info("done %s seed %s in %.0f s", name, seed, time.perf_counter() - start)
-    if args.dry_run:
+    runner = Runner(env={"WANDB_MODE": "disabled"})
+    specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in rows for seed in seeds}
+    if args.dry_run:  # the dry run's output is the list of commands
+        for spec in runner.pending(specs.values()):
+            print_command(runner.command(spec))
         return 0
+    for result in runner.run_all(specs.values()):
+        if result.status == "failed":
+            message(f"error: finp-table: {result.spec.run_dir} failed (exit {result.returncode}): "
+                    f"{last_error_line(result.log)} (see {result.log})")
+            return result.returncode
     lines = ["| Method | " + " | ".join(label for _, label in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
     records = []
     for name in rows:
-        values = [row_values(json.loads((out / name / f"seed{s}" / "summary.json").read_text())) for s in seeds]
+        summaries = [read_summary(specs[name, s].run_dir) for s in seeds]
+        if any(summary is None for summary in summaries):
+            message(f"error: finp-table: no summary.json in {out / name} for every seed {' '.join(map(str, seeds))}")
+            return 1
+        values = [row_values(summary) for summary in summaries]
         mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)
                 for k, _ in COLUMNS}
         records.append({"row": name, "label": ROWS[name][1], "seeds": len(seeds), **mean})

@@ -3,25 +3,19 @@
 Each run is one subprocess ``python -m fedfdp.fit --config <derived yaml> --run_dir
 <out>/<table>/<column>/<method>/seed<k> --seed_everything k``. The derived YAML is the method's
 ``configs/<dataset>_<method>.yaml`` with the column's overrides (Dirichlet β, number of clients,
-ε, σ) and an optional ``--rounds`` cap applied. Finished runs (``summary.json`` with every
-planned round) are skipped, interrupted ones resume from ``checkpoints/last.ckpt``. The
-summaries are then aggregated into a markdown table in the paper's layout (method rows; per
-column accuracy and Ψ = ``psi_paper``, mean ± std over seeds), a long-format CSV and a PNG.
+ε, σ) and an optional ``--rounds`` cap applied. The runs are launched by
+:class:`fedfdp.experiments.runner.Runner`: finished runs are skipped, interrupted ones resume
+from ``checkpoints/last.ckpt``. The summaries are then aggregated into a markdown table in the
+paper's layout (method rows; per column accuracy and Ψ = ``psi_paper``, mean ± sample std over
+seeds), a long-format CSV and a PNG.
 """
 
 from __future__ import annotations
 
-import logging
-
 import argparse
 import csv
-import json
-import os
-import subprocess
-import sys
-import time
+import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +24,10 @@ import numpy as np
 import yaml
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments.results import (
+    finished_summary, format_mean_std, group_rows, is_finished, mean_std, read_summary, recorded_wall_seconds,
+)
+from fedfdp.experiments.runner import RunSpec, Runner
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +130,25 @@ class Run:
     run_dir: Path
 
     def summary(self) -> dict[str, Any] | None:
-        path = self.run_dir / "summary.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_summary(self.run_dir)
 
     @property
     def done(self) -> bool:
-        s = self.summary()
-        return s is not None and s.get("rounds_run", 0) >= s.get("rounds_planned", 1)
+        return is_finished(self.summary())
+
+    def spec(self, rounds: int | None, extra: Sequence[str]) -> RunSpec:
+        """The runner's spec: ``<run_dir>/input_config.yaml`` is the method's config with the column's
+        overrides (and the ``rounds`` cap), written when the run starts."""
+
+        def derived() -> dict[str, Any]:
+            overrides = dict(self.column.overrides)
+            if rounds is not None:
+                overrides["model.num_rounds"] = rounds
+            return apply_overrides(yaml.safe_load(self.config.read_text()), overrides)
+
+        return RunSpec(run_dir=self.run_dir, config=self.run_dir / "input_config.yaml", seed=self.seed,
+                       args=("--trainer.enable_progress_bar", "false", "--wandb", "disabled", *extra),
+                       make_config=derived)
 
 
 def plan_runs(table: str, datasets: Sequence[str], seeds: Sequence[int], out: Path, config_dir: Path,
@@ -155,59 +165,36 @@ def plan_runs(table: str, datasets: Sequence[str], seeds: Sequence[int], out: Pa
     return runs
 
 
-def fit_command(run: Run, extra: Sequence[str]) -> list[str]:
-    """The ``fedfdp.fit`` command of one run; its config is ``<run_dir>/input_config.yaml`` (see :func:`execute`)."""
-    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(run.run_dir / "input_config.yaml"),
-           "--run_dir", str(run.run_dir), "--seed_everything", str(run.seed), "--trainer.enable_progress_bar", "false",
-           "--wandb", "disabled", *extra]
-    if (run.run_dir / "checkpoints" / "last.ckpt").exists():
-        cmd += ["--ckpt_path", "last"]
-    return cmd
+def runner(niceness: int = 0) -> Runner:
+    """The runner of the paper tables (W&B disabled)."""
+    return Runner(env={"WANDB_MODE": "disabled"}, niceness=niceness)
+
+
+def fit_command(run: Run, extra: Sequence[str], niceness: int = 0) -> list[str]:
+    """The ``fedfdp.fit`` command of one run; its config is ``<run_dir>/input_config.yaml`` (see :meth:`Run.spec`)."""
+    return runner(niceness).command(run.spec(None, extra))
 
 
 def execute(run: Run, rounds: int | None, niceness: int, extra: Sequence[str]) -> tuple[Run, int, float]:
-    """Run (or resume) one fit in a subprocess; returns its exit status and wall time.
+    """Run (or resume) one fit; returns its exit status and wall time.
 
     A run that finished after the harness planned it (another harness on the same ``--out``
-    finished it meanwhile) is left as it is: starting it again would only fail on its spent
-    budget and overwrite its ``harness.json``.
+    finished it meanwhile) is left as it is, with the wall time it recorded.
     """
-    if run.done:
-        logger.info("%s finished meanwhile: not run again", run.run_dir)
-        harness = run.run_dir / "harness.json"
-        wall = json.loads(harness.read_text()).get("wall_seconds", 0.0) if harness.exists() else 0.0
-        return run, 0, wall
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    config = yaml.safe_load(run.config.read_text())
-    overrides = dict(run.column.overrides)
-    if rounds is not None:
-        overrides["model.num_rounds"] = rounds
-    derived = run.run_dir / "input_config.yaml"
-    derived.write_text(yaml.safe_dump(apply_overrides(config, overrides), sort_keys=False))
-    cmd = fit_command(run, extra)
-    if "--ckpt_path" not in cmd and (run.run_dir / "summary.json").exists():
-        # partial results without a checkpoint: start again
-        (run.run_dir / "summary.json").rename(run.run_dir / f"summary.stale-{int(time.time())}.json")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled"}
-    start = time.perf_counter()
-    with open(run.run_dir / "fit.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
-    wall = time.perf_counter() - start
-    (run.run_dir / "harness.json").write_text(json.dumps({"command": cmd, "returncode": proc.returncode,
-                                                          "wall_seconds": wall}, indent=1))
-    return run, proc.returncode, wall
+    result = runner(niceness).run(run.spec(rounds, extra))
+    if result.status == "skipped":
+        return run, 0, recorded_wall_seconds(run.run_dir) or 0.0
+    return run, result.returncode, result.wall_seconds
 
 
 def collect(runs: Sequence[Run]) -> list[dict[str, Any]]:
     """One row per finished run (final pooled accuracy in %, Ψ = psi_paper of the global model)."""
     rows = []
     for run in runs:
-        s = run.summary()
-        if s is None or not run.done:
+        s = finished_summary(run.run_dir)
+        if s is None:
             continue
-        harness = run.run_dir / "harness.json"
-        wall = json.loads(harness.read_text())["wall_seconds"] if harness.exists() else None
+        wall = recorded_wall_seconds(run.run_dir)
         rows.append({"table": run.table, "column": run.column.label, "dataset": run.column.dataset,
                      "method": run.method, "seed": run.seed, "accuracy": 100.0 * s["final"]["accuracy"],
                      "best_accuracy": 100.0 * s["best_accuracy"], "psi": s["final"]["psi"],
@@ -217,35 +204,27 @@ def collect(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return rows
 
 
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    arr = np.asarray(values, dtype=float)
-    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
-
-
 def _fmt(values: Sequence[float], sci: bool) -> str:
-    if not values:
-        return "—"
-    m, s = mean_std(values)
-    f = (lambda v: f"{v:.1e}") if sci else (lambda v: f"{v:.2f}")
-    return f"{f(m)}±{f(s)}" if len(values) > 1 else f(m)
+    """Mean ± sample std over seeds: ``1.2e-02±3.0e-03`` (``sci``) or ``85.00±7.07``; ``—`` for none."""
+    return format_mean_std(values, (lambda v: f"{v:.1e}") if sci else (lambda v: f"{v:.2f}"))
 
 
 def markdown_table(title: str, methods: Sequence[str], columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
     """Paper layout: one row per method; per column ``Acc (%)`` and ``Ψ`` as mean ± std over seeds."""
+    groups = group_rows(rows, "method", "column")
     head = "| Method | " + " | ".join(f"{c} Acc (%) | {c} Ψ" for c in columns) + " |"
     lines = [f"### {title}", "", head, "|---|" + "---|---|" * len(columns)]
     for method in methods:
         cells = []
         for col in columns:
-            sel = [r for r in rows if r["method"] == method and r["column"] == col]
+            sel = groups.get((method, col), [])
             cells += [_fmt([r["accuracy"] for r in sel], False), _fmt([r["psi"] for r in sel], True)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "| Method | Column | seeds | rounds | ε spent | best Acc (%) | worst-client Acc (%) | s/round |",
               "|---|---|---|---|---|---|---|---|"]
     for method in methods:
         for col in columns:
-            sel = [r for r in rows if r["method"] == method and r["column"] == col]
+            sel = groups.get((method, col), [])
             if not sel:
                 continue
             eps = [r["epsilon"] for r in sel if r["epsilon"] is not None]
@@ -279,11 +258,11 @@ def _plot(path: Path, title: str, methods: Sequence[str], columns: Sequence[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    groups = group_rows(rows, "method", "column")
     fig, axes = plt.subplots(2, len(columns), figsize=(max(3.2 * len(columns) + 1, 7.5), 6), squeeze=False)
     for j, col in enumerate(columns):
         for i, (key, label) in enumerate((("accuracy", "accuracy (%)"), ("psi", "Ψ (log)"))):
-            stats = [mean_std([r[key] for r in rows if r["method"] == m and r["column"] == col] or [np.nan])
-                     for m in methods]
+            stats = [mean_std([r[key] for r in groups.get((m, col), [])] or [np.nan]) for m in methods]
             ax = axes[i][j]
             ax.bar(range(len(methods)), [s[0] for s in stats], yerr=[s[1] for s in stats], color="tab:blue")
             ax.set_xticks(range(len(methods)), methods, rotation=60, fontsize=7)
@@ -312,19 +291,12 @@ def run_table(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:  # the commands only: nothing is run or written
         for run in todo:
-            print_command(fit_command(run, args.fit_args or []))
+            print_command(fit_command(run, args.fit_args or [], args.nice))
         return 0
     failed = 0
     if not args.aggregate_only and todo:
-        with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-            futures = [pool.submit(execute, r, args.rounds, args.nice, args.fit_args or []) for r in todo]
-            for fut in futures:
-                run, code, wall = fut.result()
-                failed += code != 0
-                if code == 0:
-                    logger.info("ok %s (%.0f s)", run.run_dir, wall)
-                else:
-                    logger.error("FAILED %s (%.0f s): see %s", run.run_dir, wall, run.run_dir / "fit.log")
+        specs = [r.spec(args.rounds, args.fit_args or []) for r in todo]
+        failed = sum(result.status == "failed" for result in runner(args.nice).run_all(specs, jobs=args.jobs))
     rows = collect(runs)
     if not rows:
         message(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "

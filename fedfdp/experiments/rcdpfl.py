@@ -1,34 +1,38 @@
 """RC-DPFL comparison harness (``python -m fedfdp.experiments rcdpfl-table``): the paper's Tables 3–10 layout.
 
 Methods × ε × seeds, each one subprocess ``python -m fedfdp.fit --config <generated> --run_dir
-<out>/runs/<dataset>_<method>_eps<ε>_s<seed>`` (finished runs are skipped, interrupted ones
-resumed). The generated config is ``configs/rcdpfl/<dataset>_<method>.yaml`` with the seed, the
-round count and ``RDPAccounting.target_epsilon`` set; the clustered algorithms calibrate z_i for
-that target themselves (two-stage for RC-DPFL), and DPFedAvg gets its one-stage z from
-:func:`fedfdp.privacy.schedule.calibrate_noise_multiplier` here. Columns (spec §5, in %):
+<out>/runs/<dataset>_<method>_eps<ε>_s<seed>`` launched by
+:class:`fedfdp.experiments.runner.Runner` (finished runs are skipped, interrupted ones resumed; a
+failed run is reported and the others go on). The generated config,
+``<out>/configs/<dataset>_<method>_eps<ε>_s<seed>.yaml``, is ``configs/rcdpfl/<dataset>_<method>.yaml``
+with the seed, the round count and ``RDPAccounting.target_epsilon`` set; the clustered algorithms
+calibrate z_i for that target themselves (two-stage for RC-DPFL), and DPFedAvg gets here the
+smallest z whose whole-run schedule (the algorithm's own per-round events,
+``DPFedAvg.planned_dp_events``, over the run's rounds) meets the target
+(:func:`fedfdp.privacy.schedule.calibrate_noise_multiplier`). Columns (spec §5, in %):
 All / Maj / Min mean test accuracy, worst client, max−min disparity, F_acc / F_loss (privacy-cost
 spread against the non-private per-cluster reference models), clustering accuracy of the final
 assignment and of RC-DPFL's round-1 GMM, spent ε. Writes ``results.csv`` (one row per run) and
-``table.md`` (mean ± std over seeds) into ``--out``.
+``table.md`` (mean ± population std over seeds) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
-import os
-import subprocess
-import sys
-import time
+import importlib
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
+from fedfdp.errors import ConfigError
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
-from fedfdp.privacy.accounting import DPEvent
+from fedfdp.experiments.results import format_mean_std, group_rows, read_summary
+from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
+from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
 LABELS = {"dpfedavg": "DPFedAvg", "ifca": "IFCA (f-CDPFL)",
@@ -64,55 +68,54 @@ def _callback(config: dict[str, Any], name: str) -> dict[str, Any]:
     raise KeyError(name)
 
 
+def _algorithm(class_path: str, init_args: dict[str, Any]) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)(**init_args)
+
+
+def one_stage_noise_multiplier(algorithm: dict[str, Any], *, rounds: int, epsilon: float, delta: float,
+                               orders: Sequence[float] = PAPER_ORDERS) -> float:
+    """The smallest z with which ``rounds`` rounds of the algorithm (a config's ``class_path`` and
+    ``init_args``) spend at most ``epsilon``: its whole-run schedule is its own per-round events
+    (``planned_dp_events``, as the accountant charges them) repeated ``rounds`` times."""
+
+    def schedule(z: float) -> list[DPEvent]:
+        per_round = _algorithm(algorithm["class_path"], {**algorithm["init_args"], "noise_multiplier": z})
+        return [event.repeated(rounds) for _, event in per_round.planned_dp_events(client_id=0, dataset_size=1)]
+
+    return calibrate_noise_multiplier(schedule, target_epsilon=epsilon, delta=delta, orders=orders)
+
+
 def make_config(base: Path, *, seed: int, epsilon: float, rounds: int | None) -> dict[str, Any]:
     """The base config with the seed, rounds and target ε set (and DPFedAvg's one-stage z)."""
     config = yaml.safe_load(base.read_text())
     config["seed_everything"] = seed
     if rounds is not None:
         config["model"]["num_rounds"] = rounds
-    accountant = _callback(config, "RDPAccounting")
-    accountant["target_epsilon"] = epsilon
+    accounting = _callback(config, "RDPAccounting")
+    accounting["target_epsilon"] = epsilon
     algorithm = config["model"]["algorithm"]
     if algorithm["class_path"].endswith("DPFedAvg"):
-        args = algorithm["init_args"]
-        event = DPEvent(noise_multiplier=1.0, sample_rate=float(args["sample_rate"]), steps=int(args.get("local_steps", 1)))
-        total = event.steps * int(config["model"]["num_rounds"])
-        args["noise_multiplier"] = calibrate_noise_multiplier(
-            lambda z: [DPEvent(noise_multiplier=z, sample_rate=event.sample_rate, steps=total)],
-            target_epsilon=epsilon, delta=float(accountant.get("delta", 1e-5)))
+        from callbacks.accounting import RDPAccounting  # the run's accountant: its δ and RDP orders
+
+        accountant = RDPAccounting(**accounting)
+        algorithm["init_args"]["noise_multiplier"] = one_stage_noise_multiplier(
+            algorithm, rounds=int(config["model"]["num_rounds"]), epsilon=epsilon, delta=accountant.delta,
+            orders=accountant.orders)
     return config
 
 
-def _finished(run_dir: Path) -> bool | None:
-    """True when done, False when interrupted (resume), None when never started."""
-    path = run_dir / "summary.json"
-    if not path.exists():
-        return None
-    summary = json.loads(path.read_text())
-    return summary["rounds_run"] >= summary["rounds_planned"]
+def run_spec(out: Path, name: str, overrides: Sequence[str],
+             make: Callable[[], dict[str, Any]] | None = None) -> RunSpec:
+    """The run ``name``: ``<out>/runs/<name>``, its config ``<out>/configs/<name>.yaml`` (written by ``make``)."""
+    return RunSpec(run_dir=out / "runs" / name, config=out / "configs" / f"{name}.yaml",
+                   args=("--wandb", "disabled", *overrides), make_config=make)
 
 
-def fit_command(run_dir: Path, cfg_path: Path, args: argparse.Namespace) -> list[str]:
-    """The ``fedfdp.fit`` command of one run (resuming it when it was interrupted)."""
-    return (["nice", "-n", str(args.nice)] if args.nice else []) + [
-        sys.executable, "-m", "fedfdp.fit", "--config", str(cfg_path), "--run_dir", str(run_dir), "--wandb", "disabled",
-        *(["--ckpt_path", "last"] if _finished(run_dir) is False else []), *args.override]
-
-
-def run_one(config: dict[str, Any], run_dir: Path, cfg_path: Path, args: argparse.Namespace) -> float:
-    """Run (or resume) one fit subprocess; returns its wall time (0 when skipped)."""
-    if _finished(run_dir):
-        return 0.0
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    cmd = fit_command(run_dir, cfg_path, args)
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled"}
-    env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: one thread is much faster (spec §9)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - start
+def runner(niceness: int) -> Runner:
+    """The runner of the table: W&B disabled, one OpenMP thread unless the environment says otherwise."""
+    return Runner(env={"WANDB_MODE": "disabled"}, env_defaults={"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"},
+                  niceness=niceness)
 
 
 def _row(summary: dict[str, Any]) -> dict[str, Any]:
@@ -125,12 +128,10 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cell(values: list[float], key: str) -> str:
-    vals = np.array([v for v in values if v is not None and np.isfinite(v)], dtype=float)
-    if not len(vals):
-        return "–"
+    """Mean ± population std of the finite values (in % for the accuracy columns); ``–`` for none."""
     scale, digits = (100.0, 1) if key in PERCENT else (1.0, 2)
-    mean, std = scale * vals.mean(), scale * vals.std()
-    return f"{mean:.{digits}f}" if len(vals) == 1 else f"{mean:.{digits}f}±{std:.{digits}f}"
+    return format_mean_std([float(v) for v in values if v is not None and math.isfinite(v)],
+                           lambda v: f"{scale * v:.{digits}f}", ddof=0, empty="–")
 
 
 def write_table(rows: list[dict[str, Any]], out: Path) -> str:
@@ -142,9 +143,8 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> str:
         writer.writerows(rows)
     lines = ["| ε | method | " + " | ".join(label for _, label in COLUMNS) + " | seeds |",
              "|---|---|" + "---|" * (len(COLUMNS) + 1)]
-    for eps in dict.fromkeys(r["target"] for r in rows):
-        for method in dict.fromkeys(r["method"] for r in rows if r["target"] == eps):
-            group = [r for r in rows if r["target"] == eps and r["method"] == method]
+    for (eps,), same_eps in group_rows(rows, "target").items():
+        for (method,), group in group_rows(same_eps, "method").items():
             cells = [_cell([r[k] for r in group], k) for k, _ in COLUMNS]
             lines.append(f"| {eps:g} | {LABELS.get(method, method)} | " + " | ".join(cells) + f" | {len(group)} |")
     table = "\n".join(lines) + "\n"
@@ -156,29 +156,37 @@ def run(args: argparse.Namespace) -> int:
     """Run every (ε, method, seed) and write the table."""
     out = Path(args.out or f"runs/rcdpfl-table/{args.dataset}")
     methods = list(args.methods)
+    bases = {method: Path("configs/rcdpfl") / f"{args.dataset}_{method}.yaml" for method in methods}
+    for method, base in bases.items():
+        if not base.exists():
+            message(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
+                    f"methods: {' '.join(LABELS)})")
+            return 2
+    launcher = runner(args.nice)
     rows: list[dict[str, Any]] = []
     failed = 0
     for eps in args.epsilons:
         for method in methods:
-            base = Path("configs/rcdpfl") / f"{args.dataset}_{method}.yaml"
-            if not base.exists():
-                message(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
-                        f"methods: {' '.join(LABELS)})")
-                return 2
             for seed in args.seeds:
                 name = f"{args.dataset}_{method}_eps{eps:g}_s{seed}"
                 if args.dry_run:
-                    if not _finished(out / "runs" / name):
-                        print_command(fit_command(out / "runs" / name, out / "configs" / f"{name}.yaml", args))
+                    for spec in launcher.pending([run_spec(out, name, args.override)]):
+                        print_command(launcher.command(spec))
                     continue
-                config = make_config(base, seed=seed, epsilon=eps, rounds=args.rounds)
+                spec = run_spec(out, name, args.override, lambda base=bases[method], seed=seed, eps=eps: make_config(
+                    base, seed=seed, epsilon=eps, rounds=args.rounds))
                 try:
-                    wall = run_one(config, out / "runs" / name, out / "configs" / f"{name}.yaml", args)
-                except RuntimeError as err:  # keep going: one failed run must not lose the others
-                    message(f"error: {err}")
+                    result = launcher.run(spec)
+                except ConfigError as err:
+                    message(f"error: rcdpfl-table: {name}: {err}")
+                    return 2
+                summary = read_summary(spec.run_dir)
+                if result.status == "failed" or summary is None:  # keep going: one failed run must not lose the others
+                    message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
+                            f"(see {result.log})")
                     failed += 1
                     continue
-                summary = json.loads((out / "runs" / name / "summary.json").read_text())
+                wall = result.wall_seconds
                 rows.append({"method": method, "target": eps, "seed": seed, **_row(summary), "wall_seconds": wall})
                 output(f"{name}: All {100 * rows[-1]['acc_all']:.1f} Min {100 * rows[-1]['acc_minority']:.1f} "
                        f"eps {rows[-1]['epsilon']:.3f} ({wall:.0f} s)")

@@ -5,31 +5,28 @@ them into ``fedfdp.fit`` runs (dotted command-line overrides on the base config,
 validation fraction of each client's training split, the trial's run directory; resuming its
 checkpoint when interrupted) and reads the objective back from each run's ``summary.json``: the
 mean over the last ``last`` evaluations of ``Σ weight · val_metric``. Test metrics are never read.
+The runs are launched by :class:`fedfdp.experiments.runner.Runner` (``fit.log`` and
+``harness.json`` in each run directory).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.experiments.search_space import VAL_KEY, TuneError, cli_value, override_args
-from fedfdp.rundir import run_files
 
-__all__ = ["ROUNDS_KEY", "Settings", "fit_command", "objective_value", "parse_objective", "run_fit", "run_trial"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["ROUNDS_KEY", "Settings", "fit_command", "objective_value", "parse_objective", "run_fit", "run_spec",
+           "run_trial"]
 
 ROUNDS_KEY = "model.num_rounds"
+#: Launches the trial runs (W&B as ``--wandb`` or the environment says).
+RUNNER = Runner()
 
 _TERM = re.compile(r"\s*([+-])?\s*(?:(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*\*\s*)?"
                    r"([A-Za-z_]\w*)\s*")
@@ -110,62 +107,28 @@ class Settings:
         return base if len(self.seeds) == 1 else base / f"seed{seed}"
 
 
+def run_spec(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> RunSpec:
+    """One trial run: the base config with the validation split, the rounds cap and the trial's values."""
+    args = ["--trainer.enable_progress_bar", "false", "--wandb_group", settings.study_name,
+            f"--{VAL_KEY}", cli_value(settings.val_fraction)]
+    if settings.wandb is not None:
+        args += ["--wandb", settings.wandb]
+    if settings.rounds is not None:
+        args += [f"--{ROUNDS_KEY}", str(settings.rounds)]
+    args += override_args(overrides) + list(settings.fit_args)
+    return RunSpec(run_dir=run_dir, config=settings.config, seed=seed, args=tuple(args))
+
+
 def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> list[str]:
     """The ``fedfdp.fit`` command of one trial run (resuming its checkpoint when it has one)."""
-    cmd = [sys.executable, "-m", "fedfdp.fit", "--config", str(settings.config), "--run_dir", str(run_dir),
-           "--seed_everything", str(seed), "--trainer.enable_progress_bar", "false",
-           "--wandb_group", settings.study_name, f"--{VAL_KEY}", cli_value(settings.val_fraction)]
-    if settings.wandb is not None:
-        cmd += ["--wandb", settings.wandb]
-    if settings.rounds is not None:
-        cmd += [f"--{ROUNDS_KEY}", str(settings.rounds)]
-    cmd += override_args(overrides) + list(settings.fit_args)
-    if (run_dir / "checkpoints" / "last.ckpt").exists():
-        cmd += ["--ckpt_path", "last"]
-    return cmd
-
-
-def _finished(run_dir: Path) -> dict[str, Any] | None:
-    """The summary of a run that ran every planned round (None otherwise)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1) else None
-
-
-def _error_line(log: Path) -> str:
-    """The last ``error:`` line of a fit log (or its last line)."""
-    try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "no log"
-    errors = [line for line in lines if line.startswith("error:")]
-    return (errors or lines or ["empty log"])[-1]
+    return RUNNER.command(run_spec(settings, run_dir, seed, overrides))
 
 
 def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
-    """Run (or resume, or skip when finished) one trial run; returns its exit status and summary."""
-    summary = _finished(run_dir)
-    if summary is not None:
-        return 0, summary
-    if not (run_dir / "checkpoints" / "last.ckpt").exists() and run_files(run_dir):
-        # a run stopped before its first checkpoint: start it again in a clean directory
-        stale = run_dir.with_name(f"{run_dir.name}.stale-{int(time.time())}")
-        run_dir.rename(stale)
-        logger.info("moved the unfinished run without a checkpoint to %s", stale)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = fit_command(settings, run_dir, seed, overrides)
-    env = {**os.environ}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    logger.info("%s", " ".join(cmd))
-    start = time.perf_counter()
-    with open(run_dir / "fit.log", "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    wall = time.perf_counter() - start
-    (run_dir / "harness.json").write_text(json.dumps({"command": cmd, "returncode": proc.returncode,
-                                                      "wall_seconds": wall}, indent=1))
-    return proc.returncode, _finished(run_dir) if proc.returncode == 0 else None
+    """Run (or resume, or skip when finished) one trial run; returns its exit status and, when it
+    finished, its summary."""
+    result = RUNNER.run(run_spec(settings, run_dir, seed, overrides))
+    return result.returncode, result.summary if result.finished else None
 
 
 def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
@@ -176,7 +139,7 @@ def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tup
         code, summary = run_fit(settings, run_dir, seed, overrides)
         notes["run_dirs"].append(str(run_dir))
         if code != 0 or summary is None:
-            notes["error"] = f"exit status {code}: {_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
+            notes["error"] = f"exit status {code}: {last_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
             return None, notes
         try:
             values.append(objective_value(summary, settings.terms, settings.last))

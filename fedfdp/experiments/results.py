@@ -1,0 +1,90 @@
+"""Read finished runs back and tabulate them: what the experiment commands share after launching.
+
+* :func:`read_summary` / :func:`is_finished` / :func:`finished_summary`: a run's ``summary.json``
+  and whether the run is done (status ``completed`` or ``budget_spent``, every planned round run).
+* :func:`read_metrics`: the rows of a run's ``metrics.csv``.
+* :func:`recorded_wall_seconds`: the wall time the runner recorded in ``harness.json``.
+* :func:`mean_std`, :func:`format_mean_std`, :func:`group_rows`: mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FINISHED_STATUSES", "finished_summary", "format_mean_std", "group_rows", "is_finished", "mean_std",
+           "read_metrics", "read_summary", "recorded_wall_seconds"]
+
+#: ``summary.json`` statuses of a run that ended as planned (:data:`callbacks.summary.STATUSES`).
+FINISHED_STATUSES = ("completed", "budget_spent")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``summary.json``; None when it is missing or unreadable (a run that never got that far)."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def is_finished(summary: Mapping[str, Any] | None) -> bool:
+    """Whether a summary is that of a finished run: every planned round run, status finished.
+
+    Summaries written before ``status`` existed count by their rounds alone.
+    """
+    if summary is None:
+        return False
+    done = summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1)
+    return done and summary.get("status", FINISHED_STATUSES[0]) in FINISHED_STATUSES
+
+
+def finished_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a finished run in ``run_dir`` (None when it has not finished)."""
+    summary = read_summary(run_dir)
+    return summary if is_finished(summary) else None
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    """The rows of the run's ``metrics.csv`` as dictionaries of strings (empty when there is none)."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def recorded_wall_seconds(run_dir: Path) -> float | None:
+    """The wall time of the run's last launch, as the runner wrote it to ``harness.json`` (None: none)."""
+    try:
+        return float(json.loads((Path(run_dir) / "harness.json").read_text())["wall_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def mean_std(values: Sequence[float], ddof: int = 1) -> tuple[float, float]:
+    """Mean and standard deviation (``ddof=1``: the sample's; ``0``: the population's); std 0 for one value."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), float(arr.std(ddof=ddof)) if len(arr) > 1 else 0.0
+
+
+def format_mean_std(values: Sequence[float], fmt: Callable[[float], str], *, ddof: int = 1,
+                    empty: str = "—") -> str:
+    """``mean±std`` of ``values`` (each through ``fmt``), the mean alone for one value, ``empty`` for none."""
+    if not len(values):
+        return empty
+    mean, std = mean_std(values, ddof)
+    return f"{fmt(mean)}±{fmt(std)}" if len(values) > 1 else fmt(mean)
+
+
+def group_rows(rows: Iterable[Mapping[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Mapping[str, Any]]]:
+    """Rows grouped by the values of ``keys`` (groups and the rows in each in their first-seen order)."""
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    return groups
