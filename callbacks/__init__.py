@@ -8,8 +8,9 @@ metrics' scikit-learn, the audits).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedfdp.lazy import LazyRegistry
 
 if TYPE_CHECKING:
     from callbacks.accounting import RDPAccounting
@@ -45,25 +46,4 @@ __all__ = ["ClientTableLogger", "ClusterMetrics", "FederationCallback", "GlobalL
            "RoundProgressBar", "RunSummary", "SourceInferenceAudit"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` (once; later accesses find it in the namespace)."""
-    module = REGISTRY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'callbacks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def load_all() -> dict[str, Any]:
-    """Import every registered callback module; returns ``name → class``."""
-    return {name: __getattr__(name) for name in REGISTRY}
-
-
-def all_loaded() -> bool:
-    """Whether every registered callback has been imported (e.g. by :func:`load_all`)."""
-    return all(name in globals() for name in REGISTRY)
+__getattr__, __dir__, load_all, all_loaded = LazyRegistry("callbacks", REGISTRY, globals()).hooks()

@@ -12,8 +12,9 @@ Adding an algorithm: one module in this package plus one line in :data:`REGISTRY
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedfdp.lazy import LazyRegistry
 
 if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time they come from __getattr__
     from fedfdp.algorithms.adaclip import DPFedAvgAdaClip
@@ -81,25 +82,4 @@ __all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFi
            "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` (once; later accesses find it in the namespace)."""
-    module = REGISTRY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fedfdp.algorithms' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def load_all() -> dict[str, Any]:
-    """Import every registered algorithm module; returns ``name → class`` in registry order."""
-    return {name: __getattr__(name) for name in REGISTRY}
-
-
-def all_loaded() -> bool:
-    """Whether every registered algorithm has been imported (e.g. by :func:`load_all`)."""
-    return all(name in globals() for name in REGISTRY)
+__getattr__, __dir__, load_all, all_loaded = LazyRegistry("fedfdp.algorithms", REGISTRY, globals()).hooks()
