@@ -64,14 +64,11 @@ def simulate(config: str, overrides: list[str], run_dir: Path) -> float:
 
 
 def deploy(config: str, overrides: list[str], run_dir: Path, root: Path) -> float:
-    from tests.flower_harness import Deployment, node_config
+    from tests.flower_harness import Deployment
 
     deployment = Deployment(root)
     try:
-        deployment.start_superlink()
-        for cid in range(3):
-            deployment.start_supernode(f"node{cid}", node_config(partition_id=cid, num_partitions=3,
-                                                                 ledger_dir=str(root / "ledgers"), secure_rng=False))
+        deployment.start_seeded(3)
         run = deployment.run_app(f"config='{config}' overrides='{' '.join(overrides)}' run-dir='{run_dir}'",
                                  timeout=3600)
         if run.status != "finished:completed":

@@ -153,6 +153,14 @@ class Deployment:
             assert "address already in use" in self.log(name), self.log(name)[-3000:]
         raise AssertionError(f"SuperNode {name} found no free port in 3 tries")
 
+    def start_seeded(self, clients: int = 3) -> None:
+        """The SuperLink and one SuperNode per client with seeded noise (``secure-rng=false``: the
+        equivalence with the simulation), ledgers under ``root/ledgers``."""
+        self.start_superlink()
+        for cid in range(clients):
+            self.start_supernode(f"node{cid}", node_config(partition_id=cid, num_partitions=clients,
+                                                           ledger_dir=str(self.root / "ledgers"), secure_rng=False))
+
     def log(self, name: str) -> str:
         """What process ``name`` wrote so far."""
         path = self.root / f"{name}.log"

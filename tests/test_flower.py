@@ -318,10 +318,7 @@ def federation(tmp_path_factory):
     root = tmp_path_factory.mktemp("flower")
     deployment = Deployment(root)
     try:
-        deployment.start_superlink()
-        for cid in range(3):
-            deployment.start_supernode(f"node{cid}", node_config(partition_id=cid, num_partitions=3,
-                                                                 ledger_dir=str(root / "ledgers"), secure_rng=False))
+        deployment.start_seeded(3)
         yield deployment
     finally:
         deployment.stop()

@@ -97,7 +97,9 @@ def check_steps(alg: ClusteredDPFL, client: SpyClient, data: ClientData, round_i
         norms = grads.norm(dim=1)
         # 1. each record's contribution is within c, and the sum released is theirs
         contributions = step["factors"].abs() * norms
-        assert bool((contributions <= clip * (1 + 1e-5)).all()), f"a record adds {float(contributions.max())} > c={clip}"
+        # float32: the engine's norms and this independent torch.func recomputation differ by ~1e-5
+        # relative (a CI draw measured 1.4e-5), so the bound is checked to 1e-4 relative
+        assert bool((contributions <= clip * (1 + 1e-4)).all()), f"a record adds {float(contributions.max())} > c={clip}"
         reference = (grads * torch.clamp(clip / norms, max=1.0)[:, None]).sum(0)
         torch.testing.assert_close(step["clipped"], reference, rtol=1e-4, atol=1e-5 * clip * max(len(norms), 1))
         # 2. the noise std is c·z_i, the divisor q·N_i, the step η_l (sum + noise) / (q N_i)
