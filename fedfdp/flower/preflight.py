@@ -84,7 +84,11 @@ def check_superlink(address: str, *, insecure: bool, root_certificates: str | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``ok: ...`` and 0, or ``error: ...`` and 2."""
+    """Command line: ``ok: ...`` and 0, or ``error: ...`` and 2.
+
+    The one line is the command's output (as ``fedfdp.fit``'s ``error:`` line), not a log record:
+    it is printed, so that no logging configuration can hide or reformat it.
+    """
     parser = argparse.ArgumentParser(prog="python -m fedfdp.flower.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--superlink", required=True, help="HOST:PORT, as given to flower-supernode")
     parser.add_argument("--insecure", action="store_true", help="the SuperNode connects without TLS")
