@@ -295,7 +295,12 @@ class Federation(FederationEvaluation, LightningModule):
         The one owner of the privacy accounting: every module that needs ε, δ, the ledgers or the
         budget asks here. A second accountant in ``trainer.callbacks`` is refused at start.
         """
-        return find_accountant(self.trainer.callbacks)
+        return self.node_accounting if self.node_accounting is not None else find_accountant(self.trainer.callbacks)
+
+    #: On a deployed node, the run's accounting callback, read there for its settings only (target
+    #: ε, δ, orders: e.g. a clustered algorithm's noise calibration) and never run: the client's own
+    #: ledger charges its releases (:mod:`fedfdp.flower.node`). None in a simulation and on the server.
+    node_accounting: Any = None
 
     def federation_callbacks(self) -> list[FederationCallback]:
         """The trainer's callbacks that have federation hooks."""

@@ -1,4 +1,5 @@
-"""Real Flower processes on 127.0.0.1 for the tests: a SuperLink, SuperNodes, ``flwr run``.
+"""Flower for the tests: real processes on 127.0.0.1 (a SuperLink, SuperNodes, ``flwr run``) and an
+in-process grid (:class:`InProcessGrid`: the server strategy and the ClientApp in one process).
 
 Every process is started in its own session (process group) with a time bound, and
 :meth:`Deployment.stop` ends the groups it started (SIGTERM, then SIGKILL) — a SuperNode's
@@ -39,6 +40,80 @@ def node_config(**values: object) -> str:
         text = str(value).lower() if isinstance(value, bool) else f"'{value}'" if isinstance(value, str) else str(value)
         parts.append(f"{key.replace('_', '-')}={text}")
     return " ".join(parts)
+
+
+class InProcessGrid:
+    """A SuperLink stand-in: each message goes to this process's ClientApp with its node's config.
+
+    Each node keeps one Flower ``Context`` for the run (its ``context.state`` lives as long as
+    the SuperNode); ``restart_before`` lists the rounds (0-based) before which every node
+    restarts with an empty ``context.state`` (its files stay), as after a SuperNode restart.
+    ``silent`` nodes never answer from round ``silent_from`` (a node that died before it released).
+    ``lost`` nodes die at round ``silent_from`` and the SuperLink notices, as Flower's does once a
+    node misses its heartbeats: it stops listing them and answers their messages itself with a
+    ``NODE_UNAVAILABLE`` error.
+    """
+
+    def __init__(self, node_configs: dict[int, dict], silent: set[int] = frozenset(), silent_from: int = 0,
+                 lost: set[int] = frozenset(), restart_before: set[int] = frozenset()) -> None:
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
+        self.node_configs, self.silent, self.silent_from = node_configs, set(silent), silent_from
+        self.lost, self.gone = set(lost), set()
+        self.restart_before, self.restarted = set(restart_before), set()
+        self.contexts: dict[int, object] = {}
+        self.replies: dict[str, object] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return [n for n in self.node_configs if n not in self.gone]
+
+    def _context(self, node: int, round_idx: int | None):  # type: ignore[no-untyped-def]
+        from flwr.app import Context, RecordDict
+
+        if round_idx is not None and round_idx in self.restart_before and (node, round_idx) not in self.restarted:
+            self.restarted.add((node, round_idx))
+            self.contexts.pop(node, None)
+        if node not in self.contexts:
+            self.contexts[node] = Context(run_id=7, node_id=node, node_config=self.node_configs[node],
+                                          state=RecordDict(), run_config={})
+        return self.contexts[node]
+
+    def push_messages(self, messages) -> list[str]:  # type: ignore[no-untyped-def]
+        from flwr.app import Message
+        from flwr.app.error import Error
+        from flwr.common.constant import ErrorCode
+
+        from fedfdp.flower import protocol
+        from fedfdp.flower.client_app import app as client_app
+
+        ids = []
+        for message in messages:
+            ids.append(message.object_id)
+            node = message.metadata.dst_node_id
+            train = message.metadata.message_type == protocol.TRAIN
+            round_idx = protocol.TrainRequest.decode(message.content).round if train else None
+            late = train and round_idx >= self.silent_from
+            if node in self.lost and late:
+                self.gone.add(node)
+                reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"),
+                                reply_to=message)
+                reply.metadata.__dict__["_src_node_id"] = 1  # the SuperLink answers, not the node
+                reply.metadata.__dict__["_reply_to_message_id"] = message.object_id
+                self.replies[message.object_id] = reply
+                continue
+            if node in self.silent and late:
+                continue
+            try:
+                reply = client_app(message, self._context(node, round_idx))
+            except Exception as err:  # what flwr-clientapp turns into an error reply
+                reply = Message(Error(code=1, reason=str(err)), reply_to=message)
+            reply.metadata.__dict__["_reply_to_message_id"] = message.object_id  # the SuperLink's message id
+            self.replies[message.object_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids) -> list:  # type: ignore[no-untyped-def]
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
 
 
 @dataclass

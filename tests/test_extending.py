@@ -20,7 +20,8 @@ pytest.importorskip("flwr", reason="the flower extra is not installed (pip insta
 
 from fedfdp.fit import main as fit_main  # noqa: E402
 from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
-from tests.test_flower import CONFIGS, InProcessGrid, _global_model, _max_relative_difference, _nodes  # noqa: E402
+from tests.flower_harness import InProcessGrid  # noqa: E402
+from tests.test_flower import CONFIGS, _global_model, _max_relative_difference, _nodes  # noqa: E402
 
 EXAMPLES = "examples.extending"
 EXTENDED = (f"--model.num_rounds 3 --model.eval_every 10 --wandb disabled "

@@ -6,7 +6,10 @@ hands each message to the ClientApp in this process.
 
 Deployment tests (``flower`` marker): a real ``flower-superlink`` and three ``flower-supernode``
 processes on 127.0.0.1 run ``flwr run examples/flower_app`` for 3 rounds of tiny synthetic data:
-DP-FedAvg and FedFDP give the simulation's global model (within 1e-6) and every client's ε; on a
+FedFDP, DP-SCAFFOLD (server state and client state on the nodes) and DP-Ditto (personal models
+evaluated on the nodes) give the simulation's global model (within 1e-6), every client's
+evaluation and every client's ε (every algorithm over the in-process grid:
+``tests/test_flower_algorithms.py``); on a
 TLS SuperLink with SuperNode authentication an unregistered node is rejected, a client refuses
 the round that would exceed its own target ε, and a SuperNode SIGKILLed mid-round leaves the
 round to the others with no ledger charged for the release it never made.
@@ -25,15 +28,12 @@ import pytest
 flwr = pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
 
 import torch  # noqa: E402
-from flwr.app import Context, Message, RecordDict  # noqa: E402
-from flwr.app.error import Error  # noqa: E402
 
 from callbacks import NoisyLossReporting, RDPAccounting, SourceInferenceAudit  # noqa: E402
-from fedfdp.algorithms import DPFedAvg, FedFDP, FedFDPFairAgg, Scaffold  # noqa: E402
+from fedfdp.algorithms import DPDitto, DPFedAvg, DPFedAvgPriorCorrection, FedFDP, FedFDPFairAgg, Scaffold  # noqa: E402
 from fedfdp.errors import ConfigError  # noqa: E402
 from fedfdp.fit import main as fit_main  # noqa: E402
 from fedfdp.flower import protocol  # noqa: E402
-from fedfdp.flower.client_app import app as client_app  # noqa: E402
 from fedfdp.flower.node import NodeClient, NodeSettings  # noqa: E402
 from fedfdp.flower.node_ledger import NodeLedger, ledger_path  # noqa: E402
 from fedfdp.flower.server_app import DEPLOYMENT_RECORD, ServerSettings, run_server  # noqa: E402
@@ -43,10 +43,10 @@ from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
 from fedfdp.seeding import SecureGenerator  # noqa: E402
 from fedfdp.types import ClientUpdate  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
-from tests.flower_harness import Deployment, node_config, tools_missing  # noqa: E402
+from tests.flower_harness import Deployment, InProcessGrid, node_config, tools_missing  # noqa: E402
 
-CONFIGS = {"dpfedavg": REPO / "tests" / "configs" / "tiny_dpfedavg.yaml",
-           "fedfdp": REPO / "tests" / "configs" / "tiny_fedfdp.yaml"}
+CONFIGS = {name: REPO / "tests" / "configs" / f"tiny_{name}.yaml"
+           for name in ("dpfedavg", "fedfdp", "dpscaffold", "dpditto")}
 ROUNDS = 3
 #: a run of ROUNDS rounds, evaluated once at the end (every evaluation is one more message per node)
 OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every 10 --wandb disabled"
@@ -104,7 +104,7 @@ def test_secure_rng_is_the_node_default(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm, callbacks, message", [
-    (Scaffold(lr=0.1, batch_size=8), [], "Scaffold keeps per-client state between rounds"),
+    (DPFedAvgPriorCorrection(), [], "DPFedAvgPriorCorrection cannot run in a Flower deployment: it releases every"),
     (FedFDP(), [NoisyLossReporting(), RDPAccounting(), SourceInferenceAudit()], "SourceInferenceAudit reads every"),
 ])
 def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks, message):
@@ -114,7 +114,7 @@ def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks,
 
 
 def test_deployable_algorithms():
-    for algorithm in (DPFedAvg(), FedFDP(), FedFDPFairAgg()):
+    for algorithm in (DPFedAvg(), FedFDP(), FedFDPFairAgg(), Scaffold(), DPDitto()):  # all: test_flower_algorithms
         check_deployable(algorithm, [NoisyLossReporting(), RDPAccounting()])
 
 
@@ -131,60 +131,6 @@ def test_an_upload_crosses_the_wire_bit_for_bit():
 
 
 # ---- the server strategy over an in-process grid ------------------------------------------------
-class InProcessGrid:
-    """A SuperLink stand-in: each message goes to this process's ClientApp with its node's config.
-
-    ``silent`` nodes never answer from round ``silent_from`` (a node that died before it released).
-    ``lost`` nodes die at round ``silent_from`` and the SuperLink notices, as Flower's does once a
-    node misses its heartbeats: it stops listing them and answers their messages itself with a
-    ``NODE_UNAVAILABLE`` error.
-    """
-
-    def __init__(self, node_configs: dict[int, dict], silent: set[int] = frozenset(), silent_from: int = 0,
-                 lost: set[int] = frozenset()) -> None:
-        from flwr.supercore.task_identity import TaskIdentity
-
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
-        self.node_configs, self.silent, self.silent_from = node_configs, set(silent), silent_from
-        self.lost, self.gone = set(lost), set()
-        self.replies: dict[str, Message] = {}
-
-    def get_node_ids(self) -> list[int]:
-        return [n for n in self.node_configs if n not in self.gone]
-
-    def push_messages(self, messages) -> list[str]:
-        ids = []
-        for message in messages:
-            ids.append(message.object_id)
-            node = message.metadata.dst_node_id
-            late = message.metadata.message_type == protocol.TRAIN and (
-                protocol.TrainRequest.decode(message.content).round >= self.silent_from)
-            if node in self.lost and late:
-                from flwr.common.constant import ErrorCode
-
-                self.gone.add(node)
-                reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"),
-                                reply_to=message)
-                reply.metadata.__dict__["_src_node_id"] = 1  # the SuperLink answers, not the node
-                reply.metadata.__dict__["_reply_to_message_id"] = message.object_id
-                self.replies[message.object_id] = reply
-                continue
-            if node in self.silent and late:
-                continue
-            context = Context(run_id=7, node_id=node, node_config=self.node_configs[node], state=RecordDict(),
-                              run_config={})
-            try:
-                reply = client_app(message, context)
-            except Exception as err:  # what flwr-clientapp turns into an error reply
-                reply = Message(Error(code=1, reason=str(err)), reply_to=message)
-            reply.metadata.__dict__["_reply_to_message_id"] = message.object_id  # the SuperLink's message id
-            self.replies[message.object_id] = reply
-        return ids
-
-    def pull_messages(self, message_ids) -> list[Message]:
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-
 def _nodes(ledgers: Path, targets: dict[int, float] | None = None) -> dict[int, dict]:
     configs = {}
     for cid in range(3):
@@ -325,9 +271,13 @@ def federation(tmp_path_factory):
 
 
 @pytest.mark.flower
-@pytest.mark.parametrize("name", ["dpfedavg", "fedfdp"])
+#: FedFDP (DP-FedAvg plus the loss release), SCAFFOLD's server and client state, Ditto's personal models;
+#: every algorithm, DP-FedAvg included, runs over the in-process grid in tests/test_flower_algorithms.py
+@pytest.mark.parametrize("name", ["fedfdp", "dpscaffold", "dpditto"])
 def test_flower_deployment_equals_simulation(federation, name, tmp_path):
-    """3 rounds through a real SuperLink + 3 SuperNodes: the simulation's global model and every client's ε."""
+    """3 rounds through a real SuperLink + 3 SuperNodes: the simulation's global model, every client's
+    evaluation (DP-Ditto: its personal model, on its node) and ε. (Every algorithm over the
+    in-process grid: tests/test_flower_algorithms.py.)"""
     run_dir = tmp_path / "flower"
     run = federation.run_app(f"config='{CONFIGS[name]}' overrides='{OVERRIDES}' run-dir='{run_dir}' "
                              f"round-timeout=300.0")
@@ -340,8 +290,10 @@ def test_flower_deployment_equals_simulation(federation, name, tmp_path):
     sim_eps = _client_epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
     assert flower_eps.keys() == sim_eps.keys() == {0, 1, 2}
     assert all(flower_eps[c] == pytest.approx(sim_eps[c], rel=1e-12) for c in sim_eps)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["epsilon"] == pytest.approx(json.loads((sim / "summary.json").read_text())["epsilon"], rel=1e-12)
+    summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, sim))
+    assert summary["epsilon"] == pytest.approx(sim_summary["epsilon"], rel=1e-12)
+    for key in ("accuracy", "accuracy_worst", "accuracy_std", "mean_loss"):  # every client's evaluated model
+        assert summary["final"][key] == pytest.approx(sim_summary["final"][key], rel=1e-5, abs=1e-7), key
     (federation.root / f"equivalence_{name}.json").write_text(json.dumps(
         {"max_relative_difference": difference, "epsilon_flower": flower_eps, "epsilon_simulation": sim_eps,
          "flower_seconds": run.seconds}))

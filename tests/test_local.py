@@ -112,13 +112,20 @@ def test_resume_restores_the_clients_models_bitwise(tmp_path):
         assert torch.equal(a.get(cid, "local"), b.get(cid, "local"))
 
 
-def test_flower_refuses_local_only_like_other_stateful_algorithms():
+def test_local_only_deploys_with_its_models_kept_on_the_nodes():
+    """Each client's own model is client state (it never leaves the node in a deployment)."""
     pytest.importorskip("flwr", reason="the flower extra is not installed")
     from fedfdp.flower.strategy import check_deployable
 
     for algorithm in (LocalOnly(), DPLocalOnly()):
-        with pytest.raises(ConfigError, match="keeps per-client state"):
-            check_deployable(algorithm, [])
+        check_deployable(algorithm, [])
+        algorithm.client_state.set(1, "local", torch.ones(3))
+        exported = algorithm.export_client_state(1)
+        assert list(exported) == ["client_state/local"] and algorithm.export_client_state(0) == {}
+        fresh = type(algorithm)()
+        fresh.import_client_state(1, exported)
+        assert torch.equal(fresh.client_state.get(1, "local"), torch.ones(3))
+        assert fresh.public_server_state() == {}
 
 
 # ---- majority-label baseline --------------------------------------------------------------------

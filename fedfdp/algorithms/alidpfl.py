@@ -122,6 +122,14 @@ class ALIDPFL(DPFedAvg):
         self.local_steps = self.next_steps
         return {"local_steps": float(taken), "ali_mu": self.mu}
 
+    def public_server_state(self) -> dict[str, Any]:
+        """τ_t, the round's number of local steps (chosen from released models)."""
+        return {"local_steps": self.local_steps}
+
+    def load_public_server_state(self, state: dict[str, Any]) -> None:
+        """Take τ_t."""
+        self.local_steps = int(state["local_steps"])
+
     def state_dict(self) -> dict[str, Any]:
         """τ, μ and the previous released pseudo-gradient."""
         return {"local_steps": self.local_steps, "mu": self.mu, "prev_step_norm": self.prev_step_norm,

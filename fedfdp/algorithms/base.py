@@ -33,10 +33,15 @@ class Algorithm:
             (:mod:`fedfdp.distributed`): true when everything it keeps between rounds is computed
             from the (all-gathered) uploads on the server side, false when ``local_update`` keeps
             per-client state that would stay on the process that happened to train the client.
+        deploy_refusal: why the algorithm cannot run with its clients on Flower SuperNodes
+            (:mod:`fedfdp.flower`), or None: it can. A deployed client keeps its own state
+            (:meth:`export_client_state`) on its node and receives the server state its local
+            update reads (:meth:`public_server_state`) with each round.
     """
 
     required_callbacks: ClassVar[tuple[type[FederationCallback], ...]] = ()
     supports_distributed: ClassVar[bool] = False
+    deploy_refusal: ClassVar[str | None] = None
 
     def setup(self, federation: Federation) -> None:
         """Validate against the data and prepare state; called once when fitting starts."""
@@ -129,6 +134,42 @@ class Algorithm:
     #: models it evaluates. False for models trained on raw data and kept on the client (e.g.
     #: DP-Ditto's personal models with ``private_personal: false``).
     evaluated_models_covered: ClassVar[bool] = True
+
+    # ---- deployment: what a client keeps on its node, what the server sends it ----------------
+    def export_client_state(self, client_id: int) -> dict[str, Tensor]:
+        """What client ``client_id`` keeps between rounds and never uploads (control variates,
+        gradient memory, personal models): its entries in every :class:`ClientStateStore` the
+        algorithm holds, as ``{"<attribute>/<name>": tensor}``. A deployed node saves it after each
+        round the client trains (:mod:`fedfdp.flower.node_state`) and restores it with
+        :meth:`import_client_state` before the next."""
+        from fedfdp.algorithms.client_state import ClientStateStore
+
+        return {f"{attr}/{name}": tensor for attr, store in vars(self).items() if isinstance(store, ClientStateStore)
+                for name, tensor in store.entry(client_id).items()}
+
+    def import_client_state(self, client_id: int, state: dict[str, Tensor]) -> None:
+        """Restore :meth:`export_client_state` (an empty ``state``: a client that has not trained yet)."""
+        from fedfdp.algorithms.client_state import ClientStateStore
+
+        stores = {attr: store for attr, store in vars(self).items() if isinstance(store, ClientStateStore)}
+        entries: dict[str, dict[str, Tensor]] = {attr: {} for attr in stores}
+        for key, tensor in state.items():
+            attr, _, name = key.partition("/")
+            if attr not in stores:
+                raise ValueError(f"client state entry {key!r} names no client-state store of "
+                                 f"{type(self).__name__} (stores: {sorted(stores)})")
+            entries[attr][name] = tensor
+        for attr, store in stores.items():
+            store.set_entry(client_id, entries[attr])
+
+    def public_server_state(self) -> dict[str, Any]:
+        """The server state a client's local update reads besides ``w_t`` and the round's broadcast
+        (e.g. SCAFFOLD's control variate ``c``), sent to deployed clients with each round. It must
+        be public: computed from charged releases and public values only. Default: nothing."""
+        return {}
+
+    def load_public_server_state(self, state: dict[str, Any]) -> None:
+        """Take :meth:`public_server_state` on a client's node."""
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

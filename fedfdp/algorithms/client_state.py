@@ -40,6 +40,17 @@ class ClientStateStore:
         """Store a detached copy-free reference to ``value`` for ``client_id``."""
         self._state.setdefault(client_id, {})[name] = value.detach()
 
+    def entry(self, client_id: int) -> dict[str, Tensor]:
+        """Everything ``client_id`` holds, by name (empty when it holds nothing)."""
+        return dict(self._state.get(client_id, {}))
+
+    def set_entry(self, client_id: int, entry: dict[str, Tensor]) -> None:
+        """Replace everything ``client_id`` holds with ``entry`` (empty: it holds nothing)."""
+        if entry:
+            self._state[client_id] = {name: value.detach() for name, value in entry.items()}
+        else:
+            self._state.pop(client_id, None)
+
     def clients(self) -> list[int]:
         """Client ids that hold any state."""
         return sorted(self._state)

@@ -350,6 +350,16 @@ class ClusteredDPFL(Algorithm):
         return int(torch.argmax(torch.tensor(accuracies, dtype=torch.float64, device=u.device) + scale * gumbel))
 
     # ---- state ----------------------------------------------------------------------------------
+    def public_server_state(self) -> dict[str, Any]:
+        """The whole server state (:meth:`state_dict`): cluster models (means of released models) and
+        assignments (from the released cluster indices or the server's clustering of released
+        updates), which a client reads to start, select and be evaluated."""
+        return self.state_dict()
+
+    def load_public_server_state(self, state: dict[str, Any]) -> None:
+        """Take the server's cluster models and assignments."""
+        self.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         """Cluster models and assignments (z_i are recomputed by ``setup``)."""
         return {"cluster_models": self.cluster_models.clone(), "assignment": self.assignment.tolist()}

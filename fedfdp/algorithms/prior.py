@@ -55,6 +55,8 @@ class DPFedAvgPriorCorrection(DPFedAvg):
     """
 
     supports_distributed = False  # the histograms are released on the process that holds every client
+    deploy_refusal = ("releases every client's noisy label histogram at fit start from the process that holds "
+                      "every client; a deployment has no such fit-start release from the nodes yet")
 
     def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0, **dp_fedavg: Any) -> None:
         super().__init__(**dp_fedavg)

@@ -74,10 +74,20 @@ class _Scaffold(GradTermMixin):
         """``c ← c + (1/N) Σ_{i∈S} Δc_i``."""
         out = super().on_round_end(updates, context)  # type: ignore[misc]
         deltas = [u.extras[_DELTA] for u in updates if _DELTA in u.extras]
+        if deltas and self.control is None:  # a server that trains no client (a deployment): c starts at 0
+            self.control = torch.zeros_like(deltas[0])
         if deltas and self.control is not None:
             self.control = self.control + torch.stack(deltas).sum(0) / max(self.num_clients, 1)
             out = {**out, "scaffold_control_norm": float(self.control.norm())}
         return out
+
+    def public_server_state(self) -> dict[str, Any]:
+        """The server's ``c`` (the mean of post-processed ``Δc_i``), which every local step reads."""
+        return {"control": None if self.control is None else self.control.cpu()}
+
+    def load_public_server_state(self, state: dict[str, Any]) -> None:
+        """Take the server's ``c`` (None before the first round: zeros at the first step)."""
+        self.control = state["control"]
 
     def state_dict(self) -> dict[str, Any]:
         """Server and client control variates."""

@@ -1,8 +1,9 @@
 """The Flower ClientApp: one fedfdp client on its SuperNode (``fedfdp.flower.client_app:app``).
 
 Flower starts one ClientApp process per message, so every message rebuilds the client from the
-run's config (:class:`fedfdp.flower.node.NodeClient`) and its state lives in files on the node:
-the client's privacy ledger (``ledger-dir``). Handlers:
+run's config (:class:`fedfdp.flower.node.NodeClient`) and its state lives on the node: the
+client's privacy ledger (``ledger-dir``) and its algorithm state (a file beside the ledger, and a
+copy in the node's ``context.state``; :mod:`fedfdp.flower.node_state`). Handlers:
 
 * ``query``: describe the node (partition, data sizes, own target ε and spent ε);
 * ``train``: refuse (budget) or run the round's local update and releases, charge them to the
@@ -56,7 +57,8 @@ def train(message: Message, context: Context) -> Message:
             raise ValueError(f"message for partition {request.partition} reached the node of partition "
                              f"{node.client_id}")
         result = node.train(protocol.params_of(message.content), request.round, request.broadcast,
-                            request.loss_bounds)
+                            request.loss_bounds, request.state_key, protocol.server_state_of(message.content),
+                            context.state)
         if isinstance(result, str):
             content = protocol.encode_refusal(node.client_id, result, node.ledger.epsilon())
         else:
@@ -69,5 +71,6 @@ def evaluate(message: Message, context: Context) -> Message:
     """The run's model on this client's own splits."""
     with closing(_node(message, context)) as node:
         request = protocol.EvaluateRequest.decode(message.content)
-        counts = node.evaluate(protocol.params_of(message.content), request.splits)
+        counts = node.evaluate(protocol.params_of(message.content), request.splits, request.state_key,
+                               protocol.server_state_of(message.content), context.state)
         return Message(protocol.encode_evaluation(node.client_id, counts), reply_to=message)

@@ -8,6 +8,9 @@ simulation runs for one client (:meth:`fedfdp.Federation.train_client`): the alg
 update from the server's ``w_t`` on the client's own random stream, the privatised releases of
 the callbacks (``NoisyLossReporting``), and the charge of every release to the client's own
 ledger (:class:`~fedfdp.flower.node_ledger.NodeLedgerCallback`) before the upload is returned.
+The algorithm's client state (control variates, personal models) is restored before and saved
+after the round on the node (:mod:`fedfdp.flower.node_state`); the server state it reads comes
+with the round (``Algorithm.public_server_state``).
 
 Node settings (``--node-config "partition-id=0 num-partitions=3 ..."``):
 
@@ -15,7 +18,8 @@ Node settings (``--node-config "partition-id=0 num-partitions=3 ..."``):
     which client of the config's ``data`` this node holds; ``num-partitions`` must equal
     ``data.num_clients``.
 ``ledger-dir``
-    where the client's ledger lives (default ``~/.fedfdp/ledgers``), one file per partition.
+    where the client's ledger lives (default ``~/.fedfdp/ledgers``), one file per partition, and
+    its algorithm state, one file per run and partition.
 ``target-epsilon``
     the client's own budget; default: the config's ``RDPAccounting.target_epsilon``.
 ``secure-rng``
@@ -44,7 +48,8 @@ from fedfdp.cli.parser import FedFDPCLI, build_cli
 from fedfdp.errors import require
 from fedfdp.federation import Federation
 from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
-from fedfdp.flower.protocol import NodeDescription
+from fedfdp.flower.node_state import NodeStateFile
+from fedfdp.flower.protocol import ClientStateKey, NodeDescription
 from fedfdp.metrics import evaluate_clientwise
 from fedfdp.privacy.accounting import PAPER_ORDERS
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
@@ -149,6 +154,8 @@ class NodeClient:
         self.callbacks = release_callbacks(cli.trainer.callbacks)
         cli.trainer.callbacks = [*self.callbacks, NodeLedgerCallback(self.ledger, run)]
         fed.trainer = cli.trainer
+        fed.node_accounting = accounting
+        cli.trainer.strategy.connect(fed)  # plain (non-private) steps go through Lightning's manual_backward
         fed.algorithm.setup(fed)
         self.planned = fed.planned_dp_events(self.client_id)
         if self.planned:  # the client's own check: every release it makes has a guarantee
@@ -166,8 +173,20 @@ class NodeClient:
                                target_epsilon=self.ledger.target_epsilon, secure_rng=self.settings.secure_rng,
                                epsilon=self.ledger.epsilon())
 
+    def _restore(self, state_key: ClientStateKey, server_state: dict[str, Any], cache: Any) -> NodeStateFile | None:
+        """Give the algorithm the server's public state and the client's own state the server continues from."""
+        algorithm = self.federation.algorithm
+        if server_state:
+            algorithm.load_public_server_state(server_state)
+        if not state_key.run_key:
+            return None
+        store = NodeStateFile(self.settings.ledger_dir, state_key.run_key, self.client_id, cache)
+        algorithm.import_client_state(self.client_id, store.load(state_key.client_round))
+        return store
+
     def train(self, params: torch.Tensor, round_idx: int, broadcast: dict[str, float],
-              loss_bounds: dict[str, float]) -> ClientUpdate | str:
+              loss_bounds: dict[str, float], state_key: ClientStateKey | None = None,
+              server_state: dict[str, Any] | None = None, cache: Any = None) -> ClientUpdate | str:
         """One round: the upload (already charged to the ledger), or the reason this client refuses.
 
         Args:
@@ -175,9 +194,16 @@ class NodeClient:
             round_idx: the round ``t`` (0-based), which names the client's random streams.
             broadcast: the algorithm's public scalars of the round (``F̄_t``).
             loss_bounds: the client's loss-clip bound per loss-release callback (class name).
+            state_key: which saved client state to continue from (run key, the client's last
+                round the server received); the state after this round is saved under it.
+            server_state: the algorithm's public server state (``Algorithm.public_server_state``).
+            cache: the node's Flower ``context.state`` (a copy of the client state), or None.
         """
         fed, cid = self.federation, self.client_id
         fed.current_round = round_idx
+        store = self._restore(state_key or ClientStateKey(), server_state or {}, cache)
+        fed.algorithm.configure_round(round_idx)  # round-dependent planning (e.g. a clustered selection round)
+        self.planned = fed.planned_dp_events(cid)
         reason = self.ledger.refusal(self.planned)
         if reason is not None:
             logger.warning("%s", reason)
@@ -189,17 +215,28 @@ class NodeClient:
         with torch.no_grad():
             vector_to_parameters(params.clone(), fed.global_model.parameters())  # w_t (global-loss releases)
         update = fed.train_client(cid, RoundContext(round=round_idx, broadcast=dict(broadcast)), params)
+        if store is not None:
+            store.save(round_idx, fed.algorithm.export_client_state(cid))
         logger.info("client %d: round %d released (epsilon %.4f of %s)", cid, round_idx + 1, self.ledger.epsilon(),
                     self.ledger.target_epsilon)
         return update
 
-    def evaluate(self, params: torch.Tensor, splits: tuple[str, ...]) -> dict[str, tuple[float, float, float]]:
-        """``(correct, count, loss_sum)`` of the model ``params`` on each of the client's ``splits``."""
+    def evaluate(self, params: torch.Tensor, splits: tuple[str, ...], state_key: ClientStateKey | None = None,
+                 server_state: dict[str, Any] | None = None, cache: Any = None) -> dict[str, tuple[float, float, float]]:
+        """``(correct, count, loss_sum)`` of the client's evaluation model on each of its ``splits``.
+
+        The evaluation model is the algorithm's for this client (``evaluation_groups`` of the
+        released model ``params``): ``params`` itself, or the client's personal or cluster model
+        (from its saved state, ``state_key``, and the public ``server_state``).
+        """
         fed, dm, cid = self.federation, self.datamodule, self.client_id
         readers = {"test": dm.client_test, "train": dm.client_train, "val": dm.client_val}
         unknown = [s for s in splits if s not in readers]
         require(not unknown, f"cannot evaluate splits {unknown}; known: {sorted(readers)}")
-        model = fed._load_eval(params)  # noqa: SLF001 - the federation's scratch evaluation model
+        self._restore(state_key or ClientStateKey(), server_state or {}, cache)
+        own = next(p for members, p in fed.algorithm.evaluation_groups(params, self.settings.num_partitions)
+                   if cid in members)
+        model = fed._load_eval(own)  # noqa: SLF001 - the federation's scratch evaluation model
         out: dict[str, tuple[float, float, float]] = {}
         for split in splits:
             x, y = readers[split](cid)

@@ -7,21 +7,27 @@ Three message types, each answered by one reply from the node of one partition (
     own privacy settings (target ε, secure RNG) and the ε it has spent so far.
 ``train``
     server → node: ``w_t`` (``"model"``, one float32 vector), the round, the algorithm's
-    broadcast (``F̄_t``), the client's loss-clip bound and the config. Reply: either the upload
-    (``"model"``: the local model; ``"release"``: the DP events charged and the noisy loss) or a
-    refusal with its reason. Simulation-only diagnostics (raw losses, clipped fractions) are
-    never sent: they are not private.
+    broadcast (``F̄_t``), the client's loss-clip bound, the config, the algorithm's public server
+    state (``"server_state"``: e.g. SCAFFOLD's ``c``), the run's key and the last round the server
+    received this client's upload (which of the node's saved client states to continue from).
+    Reply: either the upload (``"model"``: the local model; ``"release"``: the DP events charged
+    and the noisy loss; ``"extras"``: the algorithm's declared upload fields, e.g. SCAFFOLD's
+    ``Δc_i``) or a refusal with its reason. Simulation-only diagnostics (raw losses, clipped
+    fractions) are never sent: they are not private; nor is the client's own state.
 ``evaluate``
-    server → node: the run's released model and the splits wanted. Reply ``"evaluation"``:
-    correct count, sample count and loss sum per split, on the node's own data.
+    server → node: the run's released model, the splits wanted, and what picks the client's own
+    evaluation model (public server state, run key, client round: a personal or cluster model).
+    Reply ``"evaluation"``: correct count, sample count and loss sum per split, on the node's own data.
 
-The flat parameter vector travels as one float32 numpy array, so a model crosses the wire bit
-for bit.
+The flat parameter vector travels as one float32 numpy array and the extras as arrays of their
+own dtype, so a model crosses the wire bit for bit.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,12 +36,13 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.types import ClientUpdate
 
-__all__ = ["EvaluateRequest", "NodeDescription", "Refusal", "TrainRequest", "decode_evaluation", "decode_node",
+__all__ = ["ClientStateKey", "EvaluateRequest", "NodeDescription", "Refusal", "TrainRequest", "decode_evaluation", "decode_node",
            "decode_train_reply", "encode_evaluation", "encode_node", "encode_refusal", "encode_update",
-           "params_of", "query_request", "reported_epsilon", "vector_record"]
+           "params_of", "query_request", "reported_epsilon", "server_state_of", "vector_record"]
 
 QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
 _CONFIG, _MODEL, _RELEASE, _NODE, _EVAL = "fedfdp", "model", "release", "node", "evaluation"
+_EXTRAS, _SERVER_STATE = "extras", "server_state"
 _BROADCAST, _BOUND = "broadcast.", "loss_bound."
 
 
@@ -50,6 +57,37 @@ def params_of(content: RecordDict) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arrays[0], dtype=np.float32))
 
 
+def _state_record(state: dict[str, Any]) -> ArrayRecord:
+    """An algorithm's public server state (tensors, numbers, lists, None) as one byte array.
+
+    Serialised with ``torch.save`` and read back with ``weights_only=True``: no code crosses the wire.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return ArrayRecord([np.frombuffer(buffer.getvalue(), dtype=np.uint8).copy()])
+
+
+def server_state_of(content: RecordDict) -> dict[str, Any]:
+    """The public server state a request carries (empty when it carries none)."""
+    if _SERVER_STATE not in content.array_records:
+        return {}
+    raw = content.array_records[_SERVER_STATE].to_numpy_ndarrays()[0]
+    return torch.load(io.BytesIO(raw.tobytes()), weights_only=True)
+
+
+@dataclass(frozen=True)
+class ClientStateKey:
+    """Which of a node's saved client states a request continues from.
+
+    ``run_key`` names the fedfdp run (kept across resumes, unlike Flower's run id);
+    ``client_round`` is the last round (0-based) whose upload from this client the server
+    received, -1 before its first: the node continues from its state saved after that round.
+    """
+
+    run_key: str = ""
+    client_round: int = -1
+
+
 @dataclass(frozen=True)
 class TrainRequest:
     """One round's work for one client (what the server broadcasts to it besides ``w_t``)."""
@@ -60,42 +98,59 @@ class TrainRequest:
     broadcast: dict[str, float] = field(default_factory=dict)
     loss_bounds: dict[str, float] = field(default_factory=dict)
     """The client's current loss-clip bound per loss-release callback (by class name)."""
+    state_key: ClientStateKey = field(default_factory=ClientStateKey)
 
-    def encode(self, params: torch.Tensor) -> RecordDict:
-        """The message content with ``w_t``."""
+    def encode(self, params: torch.Tensor, server_state: dict[str, Any] | None = None) -> RecordDict:
+        """The message content with ``w_t`` and the algorithm's public server state."""
         record = ConfigRecord({"round": self.round, "partition": self.partition, "config": self.config,
+                               "run_key": self.state_key.run_key, "client_round": self.state_key.client_round,
                                **{_BROADCAST + k: float(v) for k, v in self.broadcast.items()},
                                **{_BOUND + k: float(v) for k, v in self.loss_bounds.items()}})
-        return RecordDict({_CONFIG: record, _MODEL: vector_record(params)})
+        content = RecordDict({_CONFIG: record, _MODEL: vector_record(params)})
+        if server_state:
+            content[_SERVER_STATE] = _state_record(server_state)
+        return content
 
     @classmethod
     def decode(cls, content: RecordDict) -> TrainRequest:
-        """The request of a ``train`` message (the model: :func:`params_of`)."""
+        """The request of a ``train`` message (the model: :func:`params_of`; the state: :func:`server_state_of`)."""
         rec = content.config_records[_CONFIG]
         return cls(round=int(rec["round"]), partition=int(rec["partition"]), config=str(rec["config"]),
                    broadcast={k[len(_BROADCAST):]: float(v) for k, v in rec.items() if k.startswith(_BROADCAST)},
-                   loss_bounds={k[len(_BOUND):]: float(v) for k, v in rec.items() if k.startswith(_BOUND)})
+                   loss_bounds={k[len(_BOUND):]: float(v) for k, v in rec.items() if k.startswith(_BOUND)},
+                   state_key=ClientStateKey(str(rec.get("run_key", "")), int(rec.get("client_round", -1))))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class EvaluateRequest:
-    """Evaluate the run's model on the node's splits ``splits`` (``test``, ``train``, ``val``)."""
+    """Evaluate the run's model on the node's splits ``splits`` (``test``, ``train``, ``val``).
+
+    The client is evaluated on its own evaluation model (``Algorithm.evaluation_groups``: the
+    released model, or its personal or cluster model), picked on the node from the public server
+    state and the client's saved state (``state_key``).
+    """
 
     partition: int
     config: str
     splits: tuple[str, ...]
+    state_key: ClientStateKey = field(default_factory=ClientStateKey)
 
-    def encode(self, params: torch.Tensor) -> RecordDict:
-        """The message content with the model to evaluate."""
-        record = ConfigRecord({"partition": self.partition, "config": self.config, "splits": list(self.splits)})
-        return RecordDict({_CONFIG: record, _MODEL: vector_record(params)})
+    def encode(self, params: torch.Tensor, server_state: dict[str, Any] | None = None) -> RecordDict:
+        """The message content with the model to evaluate and the algorithm's public server state."""
+        record = ConfigRecord({"partition": self.partition, "config": self.config, "splits": list(self.splits),
+                               "run_key": self.state_key.run_key, "client_round": self.state_key.client_round})
+        content = RecordDict({_CONFIG: record, _MODEL: vector_record(params)})
+        if server_state:
+            content[_SERVER_STATE] = _state_record(server_state)
+        return content
 
     @classmethod
     def decode(cls, content: RecordDict) -> EvaluateRequest:
         """The request of an ``evaluate`` message."""
         rec = content.config_records[_CONFIG]
         return cls(partition=int(rec["partition"]), config=str(rec["config"]),
-                   splits=tuple(str(s) for s in rec["splits"]))  # type: ignore[union-attr]
+                   splits=tuple(str(s) for s in rec["splits"]),  # type: ignore[union-attr]
+                   state_key=ClientStateKey(str(rec.get("run_key", "")), int(rec.get("client_round", -1))))  # type: ignore[arg-type]
 
 
 def query_request(config: str) -> RecordDict:
@@ -118,15 +173,9 @@ class Refusal:
 
 
 def encode_update(update: ClientUpdate, epsilon: float) -> RecordDict:
-    """A client's upload: the local model, ``|D_i|``, the (noisy) loss, the DP events charged, its ε.
-
-    Raises:
-        ValueError: the update carries algorithm payload (``extras``), which no deployable
-            algorithm uploads.
-    """
-    if update.extras:
-        raise ValueError(f"client {update.client_id}: uploads with algorithm extras ({sorted(update.extras)}) "
-                         f"are not supported by the Flower deployment")
+    """A client's upload: the local model, ``|D_i|``, the (noisy) loss, the algorithm's extras,
+    the DP events charged, its ε. (The server checks every field against the algorithm's
+    ``upload_privacy`` as in a simulation.)"""
     release = ConfigRecord({
         "status": "ok", "client": update.client_id, "num_examples": int(update.num_examples),
         "kinds": [kind for kind, _ in update.dp_events],
@@ -136,7 +185,10 @@ def encode_update(update: ClientUpdate, epsilon: float) -> RecordDict:
         "epsilon": float(epsilon)})
     if update.reported_loss is not None:
         release["reported_loss"] = float(update.reported_loss)
-    return RecordDict({_RELEASE: release, _MODEL: vector_record(update.params)})
+    content = RecordDict({_RELEASE: release, _MODEL: vector_record(update.params)})
+    if update.extras:
+        content[_EXTRAS] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in update.extras.items()})
+    return content
 
 
 def encode_refusal(client_id: int, reason: str, epsilon: float) -> RecordDict:
@@ -154,8 +206,10 @@ def decode_train_reply(content: RecordDict) -> ClientUpdate | Refusal:
     events = [(str(kind), DPEvent(noise_multiplier=float(s), sample_rate=float(q), steps=int(n)))
               for kind, s, q, n in zip(rec["kinds"], rec["sigmas"], rec["rates"], rec["steps"])]  # type: ignore[arg-type]
     loss = rec.get("reported_loss")
+    extras = dict(content.array_records[_EXTRAS].to_torch_state_dict()) if _EXTRAS in content.array_records else {}
     update = ClientUpdate(client_id=client, params=params_of(content), num_examples=int(rec["num_examples"]),  # type: ignore[arg-type]
-                          dp_events=events, reported_loss=None if loss is None else float(loss))  # type: ignore[arg-type]
+                          dp_events=events, reported_loss=None if loss is None else float(loss),  # type: ignore[arg-type]
+                          extras=extras)
     return update
 
 

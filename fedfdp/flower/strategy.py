@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -56,14 +57,12 @@ SIMULATION_ONLY_CALLBACKS: tuple[type[FederationCallback], ...] = (MembershipInf
 def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
     """Refuse, with one line, an algorithm or callback that cannot run with its clients on nodes.
 
-    A ClientApp lives for one message, so an algorithm whose local update keeps per-client state
-    between rounds (``supports_distributed = False``: SCAFFOLD, FedDyn, Ditto, local-only training,
-    q-FFL, ALI-DPFL, FinP, the clustered family) has nowhere to keep it; audits that read every
-    client's data on the server have no data there.
+    An algorithm that says why it cannot (``Algorithm.deploy_refusal``), and audits that read
+    every client's data on the server, which has no data.
     """
-    if not algorithm.supports_distributed:
-        raise ConfigError(f"{type(algorithm).__name__} keeps per-client state between rounds inside the local update; "
-                          f"the Flower deployment cannot run it yet (run it with python -m fedfdp.fit)")
+    if algorithm.deploy_refusal is not None:
+        raise ConfigError(f"{type(algorithm).__name__} cannot run in a Flower deployment: it "
+                          f"{algorithm.deploy_refusal} (run it with python -m fedfdp.fit)")
     for cb in callbacks:
         if isinstance(cb, SIMULATION_ONLY_CALLBACKS) or (isinstance(cb, FederationCallback)
                                                         and not cb.supports_distributed):
@@ -110,6 +109,9 @@ class RemoteClients(FederatedDataModule):
         self.train_sizes = np.array([nodes[c].train_size for c in order], dtype=np.int64)
         self.test_sizes = np.array([nodes[c].test_size for c in order], dtype=np.int64)
         self.val_sizes = np.array([nodes[c].val_size for c in order], dtype=np.int64)
+        truth = getattr(configured, "client_cluster", None)
+        if truth is not None:  # an oracle's known clusters: fixed by the config (cluster_sizes), not read from data
+            self.client_cluster = np.asarray(truth).copy()
 
     #: the samples stay on the nodes (the federation's start-up checks that read data skip them)
     holds_samples = False
@@ -161,12 +163,22 @@ class FlowerFederation(Federation):
         self.refusals: list[tuple[int, int, str]] = []  # (round, client, reason)
         self.client_epsilon: dict[int, float] = {}  # the ε each client last reported (its own ledger)
         self.stacked_round = False  # each client trains on its own node
+        # the nodes keep each client's algorithm state under this run's key (kept by a resume), and
+        # continue from the state after the last round whose upload the server received
+        self.run_key = uuid.uuid4().hex
+        self.client_rounds: dict[int, int] = {}
+
+    def _state_key(self, client_id: int) -> protocol.ClientStateKey:
+        """Which of the node's saved states client ``client_id`` continues from."""
+        return protocol.ClientStateKey(self.run_key, self.client_rounds.get(client_id, -1))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The federation's state plus the deployment's record so far (refusals, reported ε)."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["flower"] = {"refusals": [list(r) for r in self.refusals],
-                                "client_epsilon": {str(c): e for c, e in self.client_epsilon.items()}}
+                                "client_epsilon": {str(c): e for c, e in self.client_epsilon.items()},
+                                "run_key": self.run_key,
+                                "client_rounds": {str(c): r for c, r in self.client_rounds.items()}}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Continue the record of a resumed run: its refusals up to the checkpoint, the ε reported.
@@ -178,6 +190,8 @@ class FlowerFederation(Federation):
         start = int(checkpoint.get("global_step", 0))
         self.refusals = [(int(r), int(c), str(why)) for r, c, why in saved.get("refusals", []) if int(r) < start]
         self.client_epsilon.update({int(c): float(e) for c, e in saved.get("client_epsilon", {}).items()})
+        self.run_key = str(saved.get("run_key", self.run_key))
+        self.client_rounds = {int(c): int(r) for c, r in saved.get("client_rounds", {}).items()}
 
     def setup(self, stage: str) -> None:
         """The federation's setup, after refusing what cannot run on nodes."""
@@ -237,9 +251,10 @@ class FlowerFederation(Federation):
     def train_clients(self, context: RoundContext, client_ids: list[int],
                       global_params: torch.Tensor) -> list[ClientUpdate]:
         """Each sampled client's round on its node; the uploads that arrived, in client order."""
+        server_state = self.algorithm.public_server_state()
         contents = {cid: protocol.TrainRequest(round=context.round, partition=cid, config=self.config_text,
-                                               broadcast=dict(context.broadcast),
-                                               loss_bounds=self._loss_bounds(cid)).encode(global_params)
+                                               broadcast=dict(context.broadcast), loss_bounds=self._loss_bounds(cid),
+                                               state_key=self._state_key(cid)).encode(global_params, server_state)
                     for cid in client_ids}
         replies = self._exchange(contents, protocol.TRAIN)
         updates: list[ClientUpdate] = []
@@ -260,6 +275,7 @@ class FlowerFederation(Federation):
                 continue
             if result.client_id != cid:
                 raise RuntimeError(f"the node of client {cid} answered for client {result.client_id}")
+            self.client_rounds[cid] = context.round  # the node saved its state after this round
             updates.append(result)
         self._round_counts = {"clients_uploaded": float(len(updates)), "clients_refused": float(len(refused)),
                               "clients_missing": float(len(client_ids) - len(updates) - len(refused))}
@@ -301,8 +317,9 @@ class FlowerFederation(Federation):
         Clients whose node does not answer get NaN (left out of the fairness summary).
         """
         params = parameters_to_vector(self.released_model.parameters()).detach()
-        contents = {cid: protocol.EvaluateRequest(partition=cid, config=self.config_text,
-                                                  splits=tuple(splits)).encode(params)
+        server_state = self.algorithm.public_server_state()
+        contents = {cid: protocol.EvaluateRequest(partition=cid, config=self.config_text, splits=tuple(splits),
+                                                  state_key=self._state_key(cid)).encode(params, server_state)
                     for cid in range(self.num_clients)}
         replies = self._exchange(contents, protocol.EVALUATE)
         n = self.num_clients

@@ -1,0 +1,184 @@
+"""Every algorithm deploys: its client state kept on the client's node, its run equal to the simulation.
+
+For each deployable algorithm, a 3-round run of the tiny synthetic config through the Flower
+server strategy and the ClientApp (over :class:`tests.flower_harness.InProcessGrid`, which hands
+each message to the ClientApp as a SuperNode would) equals the simulation: the same global model,
+the same per-client evaluation (personal and cluster models evaluated on the nodes) and the same
+ε per client. Every node restarts before the last round (its ``context.state`` is gone), so the
+last round continues from the state files alone; the rounds before it from ``context.state``.
+The real-process run of one stateful algorithm is in ``tests/test_flower.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
+
+import torch  # noqa: E402
+
+from fedfdp.algorithms import REGISTRY, load_all  # noqa: E402
+from fedfdp.errors import ConfigError  # noqa: E402
+from fedfdp.fit import main as fit_main  # noqa: E402
+from fedfdp.flower.node_ledger import ledger_path  # noqa: E402
+from fedfdp.flower.node_state import ClientStateError, NodeStateFile, state_path  # noqa: E402
+from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
+from fedfdp.flower.strategy import check_deployable  # noqa: E402
+from fedfdp.privacy.accounting import epsilon_of  # noqa: E402
+from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.flower_harness import InProcessGrid  # noqa: E402
+
+CONFIGS = REPO / "tests" / "configs"
+ROUNDS = 3
+#: evaluated once, at the end (each evaluation is one more message per node)
+OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every {ROUNDS} --wandb disabled"
+DP = {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+PLAIN = {"lr": 0.1, "batch_size": 32}
+ACCOUNTING = {"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 10.0, "delta": 1.0e-5}}
+LOSS = {"class_path": "callbacks.NoisyLossReporting", "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0}}
+GLOBAL_LOSS = {"class_path": "callbacks.NoisyGlobalLossReporting",
+               "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0}}
+FINP = {"client_reg": True, "server_agg": "ala", "curvature_samples": 16, "curvature_iters": 5}
+CLUSTERED = {"num_clusters": 2, "lr": 0.1, "batch_size": 16, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+
+#: OracleCDPFL needs data that knows its true clusters: 3 digit clients in 2 rotation clusters
+DIGITS = {"data": {"class_path": "datamodules.ClusteredDigitsDataModule",
+                   "init_args": {"cluster_sizes": [1, 2], "shift": "rotation", "train_per_client": 60,
+                                 "test_per_client": 20, "sampling": "overlap", "partition_seed": 1}},
+          "net": {"class_path": "fedfdp.models.TinyCNN",
+                  "init_args": {"in_channels": 1, "num_classes": 10, "image_size": 8}}}
+
+#: algorithm → (init_args, callbacks[, data and net]); a file name instead: that tiny config as it is
+CASES: dict[str, tuple | str] = {
+    "FedAvg": (PLAIN, []),
+    "FedProx": ({**PLAIN, "mu": 0.01}, []),
+    "Scaffold": (PLAIN, []),
+    "FedDyn": ({**PLAIN, "alpha": 0.01}, []),
+    "Ditto": ({**PLAIN, "personal_weight": 0.1}, []),
+    "LocalOnly": (PLAIN, []),
+    "QFFL": ({**PLAIN, "q": 1.0}, [{"class_path": "callbacks.GlobalLossReporting"}]),
+    "FedFair": ({**PLAIN, "fairness_weight": 0.1}, [{"class_path": "callbacks.LossReporting"}]),
+    "FinP": ({**PLAIN, **FINP}, []),
+    "DPFedAvg": "tiny_dpfedavg.yaml",
+    "FedFDP": "tiny_fedfdp.yaml",
+    "DPFedAvgAdaClip": "tiny_adaclip.yaml",
+    "DPFinP": ({**DP, **FINP}, [ACCOUNTING]),
+    "DPFedProx": ({**DP, "mu": 0.01}, [ACCOUNTING]),
+    "DPScaffold": (DP, [ACCOUNTING]),
+    "DPFedDyn": ({**DP, "alpha": 0.01}, [ACCOUNTING]),
+    "DPDitto": ({**DP, "personal_weight": 0.1}, [ACCOUNTING]),
+    "DPLocalOnly": (DP, [ACCOUNTING]),
+    "DPQFFL": ({**DP, "q": 1.0}, [GLOBAL_LOSS, ACCOUNTING]),
+    "ALIDPFL": ({**DP, "max_local_steps": 3}, [ACCOUNTING]),
+    "DPFedAvgFairAgg": (DP, [LOSS, ACCOUNTING]),
+    "FedFDPFairAgg": (DP, [LOSS, ACCOUNTING]),
+    "ClusteredDPFL": (CLUSTERED, [ACCOUNTING]),
+    "IFCA": ({**CLUSTERED, "selection_epsilon": 1.0}, [ACCOUNTING]),
+    "KMCDPFL": (CLUSTERED, [ACCOUNTING]),
+    "RCDPFL": (CLUSTERED, [ACCOUNTING]),
+    "LocalDPSGD": (CLUSTERED, [ACCOUNTING]),
+    "OracleCDPFL": (CLUSTERED, [ACCOUNTING], DIGITS),
+}
+#: refused (one line): its fit-start histogram release has no deployment message
+NOT_DEPLOYABLE = {"DPFedAvgPriorCorrection"}
+
+
+def _config(name: str, directory: Path) -> Path:
+    case = CASES[name]
+    if isinstance(case, str):
+        return CONFIGS / case
+    init_args, callbacks, *swap = case
+    config = yaml.safe_load((CONFIGS / "tiny_dpfedavg.yaml").read_text())
+    if swap:
+        config["data"] = swap[0]["data"]
+        config["model"]["client"]["init_args"]["net"] = swap[0]["net"]
+    config["model"]["algorithm"] = {"class_path": f"fedfdp.algorithms.{name}", "init_args": dict(init_args)}
+    config["trainer"]["callbacks"] = list(callbacks)
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _nodes(ledgers: Path) -> dict[int, dict]:
+    return {100 + c: {"partition-id": c, "num-partitions": 3, "ledger-dir": str(ledgers), "secure-rng": False}
+            for c in range(3)}
+
+
+def _global_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("global_model.")}
+
+
+def _epsilons(entries) -> dict[int, float]:
+    entries = list(entries)
+    return {c: epsilon_of([e.event for e in entries if e.client == c], 1e-5) for c in sorted({e.client for e in entries})}
+
+
+def test_every_algorithm_is_deployable_or_says_why():
+    load_all()
+    import fedfdp.algorithms as algorithms
+
+    names = {n for n in REGISTRY if n not in ("Algorithm", "ClientStateStore")}
+    assert names == set(CASES) | NOT_DEPLOYABLE, "a new algorithm needs a case here"
+    refused = {n for n in names if getattr(algorithms, n).deploy_refusal is not None}
+    assert refused == NOT_DEPLOYABLE
+
+
+def test_a_refused_algorithm_says_why_in_one_line():
+    from fedfdp.algorithms import DPFedAvgPriorCorrection
+
+    with pytest.raises(ConfigError, match="DPFedAvgPriorCorrection cannot run in a Flower deployment: it releases") as err:
+        check_deployable(DPFedAvgPriorCorrection(), [])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deployed_algorithm_equals_simulation(name, tmp_path):
+    """3 rounds deployed (nodes restarted before the last) = 3 rounds simulated: model, evaluation, ε."""
+    config = _config(name, tmp_path)
+    sim = tmp_path / "sim"
+    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
+    ledgers = tmp_path / "ledgers"
+    settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
+                                               "run-dir": str(tmp_path / "flower")})
+    run_dir = run_server(InProcessGrid(_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
+    deployed, simulated = _global_model(run_dir), _global_model(sim)
+    assert deployed.keys() == simulated.keys()
+    for key in simulated:
+        torch.testing.assert_close(deployed[key], simulated[key], rtol=1e-6, atol=1e-7, msg=key)
+    flower_summary = json.loads((run_dir / "summary.json").read_text())
+    sim_summary = json.loads((sim / "summary.json").read_text())
+    for key in ("accuracy", "accuracy_mean", "accuracy_worst", "accuracy_std", "mean_loss"):  # every client's model
+        assert flower_summary["final"][key] == pytest.approx(sim_summary["final"][key], rel=1e-5, abs=1e-7), key
+    if (sim / "privacy_ledger.jsonl").is_file():
+        nodes = [e for c in range(3) for e in LedgerFile(ledger_path(ledgers, c)).read()]
+        flower_eps, sim_eps = _epsilons(nodes), _epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
+        assert flower_eps.keys() == sim_eps.keys() and all(
+            flower_eps[c] == pytest.approx(sim_eps[c], rel=1e-12) for c in sim_eps)
+    states = sorted(p.name for p in ledgers.glob("client_state-*.pt"))
+    assert len(states) == 3, states  # one state file per client, beside its ledger
+
+
+def test_client_state_file_keeps_the_last_rounds_and_refuses_a_state_it_lacks(tmp_path):
+    store = NodeStateFile(tmp_path, "run1", 2)
+    assert store.load(-1) == {}
+    for r in range(6):
+        store.save(r, {"algo/c": torch.full((3,), float(r))})
+    assert store.rounds() == [2, 3, 4, 5]
+    assert torch.equal(store.load(4)["algo/c"], torch.full((3,), 4.0))
+    store.save(3, {"algo/c": torch.zeros(3)})  # a replayed round 4 (after a resume) drops the later states
+    assert store.rounds() == [2, 3]
+    with pytest.raises(ClientStateError, match=r"after round 5, but this node holds rounds \[3, 4\]") as err:
+        store.load(4)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ClientStateError, match="holds no state"):
+        NodeStateFile(tmp_path, "run2", 2).load(0)
+    state_path(tmp_path, "run1", 0).write_bytes(state_path(tmp_path, "run1", 2).read_bytes())
+    with pytest.raises(ClientStateError, match="is not client 0's state of run run1"):
+        NodeStateFile(tmp_path, "run1", 0).load(2)
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporary file
