@@ -104,7 +104,6 @@ def test_secure_rng_is_the_node_default(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm, callbacks, message", [
-    (DPFedAvgPriorCorrection(), [], "DPFedAvgPriorCorrection cannot run in a Flower deployment: it releases every"),
     (FedFDP(), [NoisyLossReporting(), RDPAccounting(), SourceInferenceAudit()], "SourceInferenceAudit reads every"),
 ])
 def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks, message):
@@ -114,7 +113,8 @@ def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks,
 
 
 def test_deployable_algorithms():
-    for algorithm in (DPFedAvg(), FedFDP(), FedFDPFairAgg(), Scaffold(), DPDitto()):  # all: test_flower_algorithms
+    for algorithm in (DPFedAvg(), FedFDP(), FedFDPFairAgg(), Scaffold(), DPDitto(),  # all: test_flower_algorithms
+                      DPFedAvgPriorCorrection()):
         check_deployable(algorithm, [NoisyLossReporting(), RDPAccounting()])
 
 
@@ -182,13 +182,15 @@ def test_strategy_over_in_process_nodes_equals_simulation(tmp_path):
     assert summary["final"]["accuracy"] == json.loads((sim / "summary.json").read_text())["final"]["accuracy"]
 
 
-def test_a_resumed_deployment_continues_the_run(tmp_path):
-    """ckpt-path='last' continues a deployed run to the end an uninterrupted one reaches, appending its files."""
+@pytest.mark.parametrize("name", ["fedfdp", "dpditto"])
+def test_a_resumed_deployment_continues_the_run(tmp_path, name):
+    """ckpt-path='last' continues a deployed run to the end an uninterrupted one reaches, appending its files
+    (DP-Ditto: each node continues its client's personal model from the state the checkpoint names)."""
     ledgers = tmp_path / "ledgers"
 
     def deploy(run_dir: Path, rounds: int, node_ledgers: Path, **extra: str) -> Path:
         overrides = OVERRIDES.replace(f"--model.num_rounds {ROUNDS}", f"--model.num_rounds {rounds}")
-        settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "run-dir": str(run_dir),
+        settings = ServerSettings.from_run_config({"config": str(CONFIGS[name]), "run-dir": str(run_dir),
                                                    "overrides": overrides + " --checkpoint_every 1", **extra})
         return run_server(InProcessGrid(_nodes(node_ledgers)), settings)  # type: ignore[arg-type]
 
@@ -199,7 +201,9 @@ def test_a_resumed_deployment_continues_the_run(tmp_path):
     assert [int(r["round"]) for r in _metrics(run_dir)] == [1, 2, 3, 4]  # appended, not restarted
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds_run"] == 4
-    assert summary["final"]["accuracy"] == json.loads((whole / "summary.json").read_text())["final"]["accuracy"]
+    whole_final = json.loads((whole / "summary.json").read_text())["final"]
+    assert [summary["final"][k] for k in ("accuracy", "accuracy_worst")] == [whole_final[k] for k in
+                                                                            ("accuracy", "accuracy_worst")]
     nodes = {c: NodeLedger(ledgers, c, target_epsilon=None).epsilon() for c in range(3)}
     record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]
     for cid in range(3):  # the server's view and each node's own ledger agree, and equal the uninterrupted run's

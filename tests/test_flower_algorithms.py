@@ -83,9 +83,9 @@ CASES: dict[str, tuple | str] = {
     "RCDPFL": (CLUSTERED, [ACCOUNTING]),
     "LocalDPSGD": (CLUSTERED, [ACCOUNTING]),
     "OracleCDPFL": (CLUSTERED, [ACCOUNTING], DIGITS),
+    "DPFedAvgPriorCorrection": ({**DP, "prior_noise_multiplier": 2.0}, [ACCOUNTING]),  # a fit-start release
 }
-#: refused (one line): its fit-start histogram release has no deployment message
-NOT_DEPLOYABLE = {"DPFedAvgPriorCorrection"}
+NOT_DEPLOYABLE: set[str] = set()
 
 
 def _config(name: str, directory: Path) -> Path:
@@ -129,11 +129,14 @@ def test_every_algorithm_is_deployable_or_says_why():
     assert refused == NOT_DEPLOYABLE
 
 
-def test_a_refused_algorithm_says_why_in_one_line():
-    from fedfdp.algorithms import DPFedAvgPriorCorrection
+def test_an_algorithm_can_refuse_deployment_in_one_line():
+    from fedfdp.algorithms import DPFedAvg
 
-    with pytest.raises(ConfigError, match="DPFedAvgPriorCorrection cannot run in a Flower deployment: it releases") as err:
-        check_deployable(DPFedAvgPriorCorrection(), [])
+    class NotOnNodes(DPFedAvg):
+        deploy_refusal = "needs every client's data on the server"
+
+    with pytest.raises(ConfigError, match="NotOnNodes cannot run in a Flower deployment: it needs every") as err:
+        check_deployable(NotOnNodes(), [])
     assert "\n" not in str(err.value)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from fedfdp.aggregate import weighted_mean
+from fedfdp.errors import ConfigError
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource
@@ -70,6 +71,38 @@ class Algorithm:
         """Called once training starts, after a checkpoint (if any) and the privacy ledger are restored
         and before the rounds are planned: the place for a one-off private release that the
         rounds' budget must account for (``federation.accountant.charge_release``)."""
+
+    # ---- a one-off release of every client before training (on_fit_start) -------------------
+    def needs_fit_start_release(self) -> bool:
+        """Whether each client must release something once before the rounds are planned (and
+        has not yet: a checkpoint may hold it). Default: no."""
+        return False
+
+    def fit_start_events(self, client_id: int) -> list[tuple[str, DPEvent]]:
+        """The DP events of client ``client_id``'s one-off release, charged before it is computed."""
+        return []
+
+    def fit_start_release(self, federation: Federation, client_id: int) -> dict[str, Tensor]:
+        """Client ``client_id``'s one-off release, computed where its data is (after the charge)."""
+        return {}
+
+    def take_fit_start_releases(self, releases: dict[int, dict[str, Tensor]]) -> None:
+        """The server keeps every client's one-off release (``{client: fit_start_release}``)."""
+
+    def release_at_fit_start(self, federation: Federation) -> None:
+        """Every client's one-off release in a simulation: charge, compute, keep (a Flower
+        deployment asks each node for its client's instead)."""
+        if not self.needs_fit_start_release():
+            return
+        accountant = federation.accountant
+        if accountant is None:
+            raise ConfigError(f"{type(self).__name__} makes a private release at fit start and needs "
+                              f"callbacks.RDPAccounting")
+        releases = {}
+        for cid in range(federation.num_clients):
+            accountant.charge_release(federation, cid, self.fit_start_events(cid))
+            releases[cid] = self.fit_start_release(federation, cid)
+        self.take_fit_start_releases(releases)
 
     def evaluation_logit_offsets(self) -> Tensor | None:
         """Per-client offsets ``b_i`` added to the evaluation model's logits (``(num_clients, num_classes)``).

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from fedfdp.algorithms.dpfedavg import DPFedAvg
-from fedfdp.errors import ConfigError, require
+from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import randn
@@ -55,8 +55,6 @@ class DPFedAvgPriorCorrection(DPFedAvg):
     """
 
     supports_distributed = False  # the histograms are released on the process that holds every client
-    deploy_refusal = ("releases every client's noisy label histogram at fit start from the process that holds "
-                      "every client; a deployment has no such fit-start release from the nodes yet")
 
     def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0, **dp_fedavg: Any) -> None:
         super().__init__(**dp_fedavg)
@@ -80,24 +78,38 @@ class DPFedAvgPriorCorrection(DPFedAvg):
                           bound_field="(one record changes one label count by 1)", clip_bound=1.0,
                           kind=LABEL_HISTOGRAM_RELEASE)]
 
+    def needs_fit_start_release(self) -> bool:
+        """The histograms are released once (a checkpoint that holds them restores them)."""
+        return self.noisy_counts is None
+
+    def fit_start_events(self, client_id: int) -> list[tuple[str, DPEvent]]:
+        """One histogram release per client."""
+        return [(LABEL_HISTOGRAM_RELEASE, self.histogram_event())]
+
+    def fit_start_release(self, federation: Federation, client_id: int) -> dict[str, Tensor]:
+        """``ĥ_i = h_i + σ_h N(0, I)`` on the client's training labels (its stream ``label_histogram``)."""
+        classes = int(federation.datamodule.num_classes)
+        _, y = federation.datamodule.client_train(client_id)
+        exact = torch.bincount(y.long().cpu(), minlength=classes).double()
+        noise = randn((classes,), federation.generator("label_histogram", client_id), dtype=torch.float64)
+        return {"noisy_counts": exact + self.prior_noise_multiplier * noise.cpu()}
+
+    def take_fit_start_releases(self, releases: dict[int, dict[str, Tensor]]) -> None:
+        """Stack the clients' released histograms (rows by client id)."""
+        self.noisy_counts = torch.stack([releases[c]["noisy_counts"] for c in sorted(releases)])
+        logger.info("%s: label histograms released (sigma_h %g)", type(self).__name__, self.prior_noise_multiplier)
+
     def on_fit_start(self, federation: Federation) -> None:
         """Release every client's noisy label counts, charged first (unless a checkpoint restored them)."""
-        if self.noisy_counts is not None:
-            return
-        accountant = federation.accountant
-        if accountant is None:
-            raise ConfigError(f"{type(self).__name__} releases label histograms and needs callbacks.RDPAccounting")
-        datamodule = federation.datamodule
-        classes = int(datamodule.num_classes)
-        counts = torch.zeros(federation.num_clients, classes, dtype=torch.float64)
-        for cid in range(federation.num_clients):
-            accountant.charge_release(federation, cid, [(LABEL_HISTOGRAM_RELEASE, self.histogram_event())])
-            _, y = datamodule.client_train(cid)
-            exact = torch.bincount(y.long().cpu(), minlength=classes).double()
-            noise = randn((classes,), federation.generator("label_histogram", cid), dtype=torch.float64)
-            counts[cid] = exact + self.prior_noise_multiplier * noise.cpu()
-        self.noisy_counts = counts
-        logger.info("%s: label histograms released (sigma_h %g)", type(self).__name__, self.prior_noise_multiplier)
+        self.release_at_fit_start(federation)
+
+    def public_server_state(self) -> dict[str, Any]:
+        """The released histograms (a deployed client computes its logit offsets from them)."""
+        return {"noisy_counts": self.noisy_counts}
+
+    def load_public_server_state(self, state: dict[str, Any]) -> None:
+        """Take the released histograms."""
+        self.noisy_counts = state["noisy_counts"]
 
     def evaluation_logit_offsets(self) -> Tensor | None:
         """``b_i = τ (log π̂_i − log π̂)`` from the released histograms (module docstring)."""

@@ -8,7 +8,8 @@ copy in the node's ``context.state``; :mod:`fedfdp.flower.node_state`). Handlers
 * ``query``: describe the node (partition, data sizes, own target ε and spent ε);
 * ``train``: refuse (budget) or run the round's local update and releases, charge them to the
   ledger (fsynced), and only then return the upload;
-* ``evaluate``: the run's model on the client's own test (and train, validation) split.
+* ``query.fit_start``: the client's one-off release before training (charged first);
+* ``evaluate``: the client's evaluation model on its own test (and train, validation) split.
 
 A configuration or data problem on the node raises, which Flower turns into an error reply that
 the server logs with the node's one-line reason.
@@ -64,6 +65,15 @@ def train(message: Message, context: Context) -> Message:
         else:
             content = protocol.encode_update(result, node.ledger.epsilon())
         return Message(content, reply_to=message)
+
+
+@app.query(protocol.FIT_START_ACTION)
+def fit_start(message: Message, context: Context) -> Message:
+    """The client's one-off release before training (e.g. its noisy label histogram), charged first."""
+    with closing(_node(message, context)) as node:
+        events, release = node.fit_start_release()
+        return Message(protocol.encode_fit_start(node.client_id, events, release, node.ledger.epsilon()),
+                       reply_to=message)
 
 
 @app.evaluate()

@@ -45,13 +45,13 @@ from torch.nn.utils import vector_to_parameters
 from callbacks.base import FederationCallback, find_accountant
 from datamodules.checks import is_int
 from fedfdp.cli.parser import FedFDPCLI, build_cli
-from fedfdp.errors import require
+from fedfdp.errors import PrivacyBudgetError, require
 from fedfdp.federation import Federation
 from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
 from fedfdp.flower.node_state import NodeStateFile
 from fedfdp.flower.protocol import ClientStateKey, NodeDescription
 from fedfdp.metrics import evaluate_clientwise
-from fedfdp.privacy.accounting import PAPER_ORDERS
+from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.types import ClientUpdate, RoundContext
 
@@ -135,6 +135,7 @@ class NodeClient:
             args += ["--data.init_args.data_dir", settings.data_dir]
         cli = build_cli(args, cli_class=_NodeCLI)
         self.settings = settings
+        self.run = run
         self.client_id = settings.partition_id
         self.federation: Federation = cli.model
         self.datamodule = cli.datamodule
@@ -221,6 +222,21 @@ class NodeClient:
                     self.ledger.target_epsilon)
         return update
 
+    def fit_start_release(self) -> tuple[list[tuple[str, DPEvent]], dict[str, torch.Tensor]]:
+        """The client's one-off release before training (``Algorithm.fit_start_release``), charged
+        to its ledger (fsynced) before it is computed.
+
+        Raises:
+            PrivacyBudgetError: the release would take the client past its target ε.
+        """
+        fed, cid = self.federation, self.client_id
+        events = fed.algorithm.fit_start_events(cid)
+        reason = self.ledger.refusal(events)
+        if reason is not None:
+            raise PrivacyBudgetError(reason)
+        self.ledger.charge(fed.start_round, events, self.run)
+        return events, fed.algorithm.fit_start_release(fed, cid)
+
     def evaluate(self, params: torch.Tensor, splits: tuple[str, ...], state_key: ClientStateKey | None = None,
                  server_state: dict[str, Any] | None = None, cache: Any = None) -> dict[str, tuple[float, float, float]]:
         """``(correct, count, loss_sum)`` of the client's evaluation model on each of its ``splits``.
@@ -237,11 +253,14 @@ class NodeClient:
         own = next(p for members, p in fed.algorithm.evaluation_groups(params, self.settings.num_partitions)
                    if cid in members)
         model = fed._load_eval(own)  # noqa: SLF001 - the federation's scratch evaluation model
+        offsets = fed.algorithm.evaluation_logit_offsets()  # e.g. the client's label-prior correction
+        if offsets is not None:
+            offsets = offsets[cid:cid + 1]
         out: dict[str, tuple[float, float, float]] = {}
         for split in splits:
             x, y = readers[split](cid)
             counts = evaluate_clientwise(model, fed.client.per_sample_loss, x, y, torch.zeros_like(y), 1,
-                                         fed.eval_batch_size)
+                                         fed.eval_batch_size, logit_offsets=offsets)
             correct, count, loss_sum = (float(counts[k].reshape(-1)[0]) for k in ("correct", "count", "loss_sum"))
             out[split] = (correct, count, loss_sum)
         return out

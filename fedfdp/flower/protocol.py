@@ -14,6 +14,9 @@ Three message types, each answered by one reply from the node of one partition (
     and the noisy loss; ``"extras"``: the algorithm's declared upload fields, e.g. SCAFFOLD's
     ``Δc_i``) or a refusal with its reason. Simulation-only diagnostics (raw losses, clipped
     fractions) are never sent: they are not private; nor is the client's own state.
+``query.fit_start``
+    server → node: the config. Reply: the client's one-off release before training (e.g. its
+    noisy label histogram: ``"extras"``) with its DP events, charged to the node's ledger first.
 ``evaluate``
     server → node: the run's released model, the splits wanted, and what picks the client's own
     evaluation model (public server state, run key, client round: a personal or cluster model).
@@ -36,11 +39,15 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.types import ClientUpdate
 
-__all__ = ["ClientStateKey", "EvaluateRequest", "NodeDescription", "Refusal", "TrainRequest", "decode_evaluation", "decode_node",
+__all__ = ["ClientStateKey", "EvaluateRequest", "NodeDescription", "Refusal", "TrainRequest", "decode_evaluation",
+           "decode_fit_start", "decode_node", "encode_fit_start",
            "decode_train_reply", "encode_evaluation", "encode_node", "encode_refusal", "encode_update",
            "params_of", "query_request", "reported_epsilon", "server_state_of", "vector_record"]
 
 QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
+#: the clients' one-off release before training (``Algorithm.fit_start_release``), a query action
+FIT_START_ACTION = "fit_start"
+FIT_START = f"{QUERY}.{FIT_START_ACTION}"
 _CONFIG, _MODEL, _RELEASE, _NODE, _EVAL = "fedfdp", "model", "release", "node", "evaluation"
 _EXTRAS, _SERVER_STATE = "extras", "server_state"
 _BROADCAST, _BOUND = "broadcast.", "loss_bound."
@@ -189,6 +196,26 @@ def encode_update(update: ClientUpdate, epsilon: float) -> RecordDict:
     if update.extras:
         content[_EXTRAS] = ArrayRecord({k: v.detach().cpu().contiguous() for k, v in update.extras.items()})
     return content
+
+
+def encode_fit_start(client_id: int, events: list[tuple[str, DPEvent]], release: dict[str, torch.Tensor],
+                     epsilon: float) -> RecordDict:
+    """A client's one-off release before training, with the events it charged and its ε."""
+    record = ConfigRecord({"status": "ok", "client": client_id, "kinds": [k for k, _ in events],
+                           "sigmas": [float(e.noise_multiplier) for _, e in events],
+                           "rates": [float(e.sample_rate) for _, e in events],
+                           "steps": [int(e.steps) for _, e in events], "epsilon": float(epsilon)})
+    return RecordDict({_RELEASE: record, _EXTRAS: ArrayRecord({k: v.detach().cpu().contiguous()
+                                                                for k, v in release.items()})})
+
+
+def decode_fit_start(content: RecordDict) -> tuple[int, list[tuple[str, DPEvent]], dict[str, torch.Tensor], float]:
+    """``(client, events, release, ε)`` of a ``query.fit_start`` reply."""
+    rec = content.config_records[_RELEASE]
+    events = [(str(kind), DPEvent(noise_multiplier=float(s), sample_rate=float(q), steps=int(n)))
+              for kind, s, q, n in zip(rec["kinds"], rec["sigmas"], rec["rates"], rec["steps"])]  # type: ignore[arg-type]
+    release = dict(content.array_records[_EXTRAS].to_torch_state_dict())
+    return int(rec["client"]), events, release, float(rec["epsilon"])  # type: ignore[arg-type]
 
 
 def encode_refusal(client_id: int, reason: str, epsilon: float) -> RecordDict:

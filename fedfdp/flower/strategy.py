@@ -193,6 +193,37 @@ class FlowerFederation(Federation):
         self.run_key = str(saved.get("run_key", self.run_key))
         self.client_rounds = {int(c): int(r) for c, r in saved.get("client_rounds", {}).items()}
 
+    def on_fit_start(self) -> None:
+        """The clients' one-off releases before training come from their nodes; then the simulation's start."""
+        if self.algorithm.needs_fit_start_release():
+            self._fit_start_releases()
+        super().on_fit_start()
+
+    def _fit_start_releases(self) -> None:
+        """Ask every node for its client's one-off release (charged on the node first), charge the
+        server's view of it, and give them all to the algorithm (which needs every client's)."""
+        accountant = self.accountant
+        if accountant is None:
+            raise ConfigError(f"{type(self.algorithm).__name__} makes a private release at fit start and needs "
+                              f"callbacks.RDPAccounting")
+        replies = self._exchange({cid: protocol.query_request(self.config_text) for cid in range(self.num_clients)},
+                                 protocol.FIT_START)
+        releases = {}
+        for cid in range(self.num_clients):
+            reply = replies.get(cid)
+            if reply is None or reply.has_error():
+                why = "no answer" if reply is None else reply.error.reason
+                raise FedFDPError(f"client {cid} made no release at fit start ({why}); "
+                                  f"{type(self.algorithm).__name__} needs every client's")
+            client, events, release, epsilon = protocol.decode_fit_start(reply.content)
+            if client != cid or events != self.algorithm.fit_start_events(cid):
+                raise RuntimeError(f"the node of client {cid} released {events} for client {client} at fit start; "
+                                   f"expected {self.algorithm.fit_start_events(cid)}")
+            accountant.charge_release(self, cid, events)
+            self.client_epsilon[cid] = epsilon
+            releases[cid] = release
+        self.algorithm.take_fit_start_releases(releases)
+
     def setup(self, stage: str) -> None:
         """The federation's setup, after refusing what cannot run on nodes."""
         check_deployable(self.algorithm, list(self.trainer.callbacks))
