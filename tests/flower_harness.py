@@ -42,8 +42,16 @@ def node_config(**values: object) -> str:
     return " ".join(parts)
 
 
+def _wire(message):  # type: ignore[no-untyped-def]
+    """``message`` as it arrives after Flower's wire encoding (protobuf out and back)."""
+    from flwr.common.serde import message_from_proto, message_to_proto
+
+    return message_from_proto(message_to_proto(message))
+
+
 class InProcessGrid:
-    """A SuperLink stand-in: each message goes to this process's ClientApp with its node's config.
+    """A SuperLink stand-in: each message goes to this process's ClientApp with its node's config,
+    and each message and reply through Flower's wire encoding.
 
     Each node keeps one Flower ``Context`` for the run (its ``context.state`` lives as long as
     the SuperNode); ``restart_before`` lists the rounds (0-based) before which every node
@@ -105,7 +113,7 @@ class InProcessGrid:
             if node in self.silent and late:
                 continue
             try:
-                reply = client_app(message, self._context(node, round_idx))
+                reply = _wire(client_app(_wire(message), self._context(node, round_idx)))
             except Exception as err:  # what flwr-clientapp turns into an error reply
                 reply = Message(Error(code=1, reason=str(err)), reply_to=message)
             reply.metadata.__dict__["_reply_to_message_id"] = message.object_id  # the SuperLink's message id
