@@ -14,7 +14,8 @@ from fedfdp.algorithms import Algorithm
 from fedfdp.cli.parser import build_cli
 from tests.conftest import REPO
 
-CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+#: fit configs (configs/search_spaces/ holds search spaces of `fedfdp.experiments tune`: tests/test_tune.py)
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "search_spaces" not in p.parts)
 
 
 def test_there_is_a_config_per_dataset_and_baseline():

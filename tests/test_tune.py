@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import optuna
@@ -12,6 +13,7 @@ import yaml
 
 from fedfdp.algorithms import FedAvg
 from fedfdp.experiments.__main__ import main
+from fedfdp.experiments.search_space import baseline_params, load_space
 from fedfdp.experiments.trials import objective_value, parse_objective
 from fedfdp.fit import main as fit_main
 from tests.conftest import REPO
@@ -250,3 +252,18 @@ def test_study_scores_on_validation_resumes_and_writes_a_loadable_best_config(tm
     # the study is tied to its settings
     assert _tune(study_dir, "--trials", "3", "--objective", "val_accuracy_worst") == 2
     assert "other settings: objective" in capsys.readouterr().err
+
+
+SEARCH_SPACES = sorted((REPO / "configs" / "search_spaces").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SEARCH_SPACES, ids=[p.stem for p in SEARCH_SPACES])
+def test_shipped_search_spaces_load_and_start_from_their_base_config(path):
+    """Each equal-budget space (issue 23 item 6) is valid, names its base config, and contains that
+    config's own values, so trial 0 is the shipped config (the same start for every method)."""
+    base = re.search(r"^# base config: (\S+)$", path.read_text(), re.M)
+    assert base, f"{path.name} names no '# base config:'"
+    config = yaml.safe_load((REPO / base.group(1)).read_text())
+    space = load_space(str(path))
+    assert set(baseline_params(config, space)) == set(space), "the base config's values lie outside the space"
+    assert "8 Optuna trials" in path.read_text()  # the same budget for every method
