@@ -24,11 +24,21 @@ def _deterministic_threads():
     yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--flower-all-algorithms", action="store_true",
+                     help="also deploy every algorithm over real Flower processes (flower_all marker; "
+                          "about 40 s each), not only the three of every test run")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests without CUDA."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Skip ``gpu`` tests without CUDA, and ``flower_all`` tests without ``--flower-all-algorithms``."""
+    skips = []
+    if not torch.cuda.is_available():
+        skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA device")))
+    if not config.getoption("--flower-all-algorithms"):
+        skips.append(("flower_all", pytest.mark.skip(reason="every algorithm over real processes: "
+                                                            "pytest --flower-all-algorithms -m flower")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)

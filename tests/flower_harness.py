@@ -236,13 +236,16 @@ class Deployment:
             assert "address already in use" in self.log(name), self.log(name)[-3000:]
         raise AssertionError(f"SuperNode {name} found no free port in 3 tries")
 
-    def start_seeded(self, clients: int = 3) -> None:
+    def start_seeded(self, clients: int = 3, target_epsilon: float | None = None) -> None:
         """The SuperLink and one SuperNode per client with seeded noise (``secure-rng=false``: the
-        equivalence with the simulation), ledgers under ``root/ledgers``."""
+        equivalence with the simulation), ledgers under ``root/ledgers``. ``target_epsilon``: each
+        node's own budget, which every run on the node spends (default: each run's target)."""
         self.start_superlink()
+        budget = {} if target_epsilon is None else {"target_epsilon": target_epsilon}
         for cid in range(clients):
             self.start_supernode(f"node{cid}", node_config(partition_id=cid, num_partitions=clients,
-                                                           ledger_dir=str(self.root / "ledgers"), secure_rng=False))
+                                                           ledger_dir=str(self.root / "ledgers"), secure_rng=False,
+                                                           **budget))
 
     def log(self, name: str) -> str:
         """What process ``name`` wrote so far."""

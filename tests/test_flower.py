@@ -43,6 +43,7 @@ from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
 from fedfdp.seeding import SecureGenerator  # noqa: E402
 from fedfdp.types import ClientUpdate  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
+from tests.algorithm_cases import CASES, algorithm_config  # noqa: E402
 from tests.flower_harness import Deployment, InProcessGrid, node_config, tools_missing  # noqa: E402
 
 CONFIGS = {name: REPO / "tests" / "configs" / f"tiny_{name}.yaml"
@@ -141,8 +142,9 @@ def _nodes(ledgers: Path, targets: dict[int, float] | None = None) -> dict[int, 
     return configs
 
 
-def _simulate(name: str, run_dir: Path) -> Path:
-    assert fit_main(["--config", str(CONFIGS[name]), *OVERRIDES.split(), "--run_dir", str(run_dir)]) == 0
+def _simulate(name: str | Path, run_dir: Path) -> Path:
+    config = CONFIGS[name] if isinstance(name, str) else name
+    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(run_dir)]) == 0
     return run_dir
 
 
@@ -264,38 +266,55 @@ def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):
 # ---- real SuperLink and SuperNodes --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    """An insecure SuperLink and 3 SuperNodes with seeded noise (the equivalence), stopped afterwards."""
+    """An insecure SuperLink and 3 SuperNodes with seeded noise (the equivalence), stopped afterwards.
+
+    A node's ledger spans every run on it (its data's budget), so the nodes' own target is set far
+    above what the module's runs spend together: each run is held to its config's target by the server."""
     root = tmp_path_factory.mktemp("flower")
     deployment = Deployment(root)
     try:
-        deployment.start_seeded(3)
+        deployment.start_seeded(3, target_epsilon=1000.0)
         yield deployment
     finally:
         deployment.stop()
 
 
+#: in every test run: FedFDP (DP-FedAvg plus the loss release), SCAFFOLD's server and client state,
+#: Ditto's personal models; with ``--flower-all-algorithms`` every algorithm's tiny config too
+#: (tests/algorithm_cases.py; every algorithm runs over the in-process grid in every test run:
+#: tests/test_flower_algorithms.py)
+#: FinP's curvature step (power iterations of Hessian-vector products, on the node) amplifies float32
+#: rounding differences between the node's process and the simulation's: measured 6.3e-6 relative
+#: over real processes (its evaluation equal, its loss within 2e-8); the in-process grid holds 1e-6
+MODEL_TOLERANCE = {"FinP": 2e-5}
+DEPLOYED = ["fedfdp", "dpscaffold", "dpditto",
+            *(pytest.param(name, marks=pytest.mark.flower_all) for name in sorted(CASES))]
+
+
 @pytest.mark.flower
-#: FedFDP (DP-FedAvg plus the loss release), SCAFFOLD's server and client state, Ditto's personal models;
-#: every algorithm, DP-FedAvg included, runs over the in-process grid in tests/test_flower_algorithms.py
-@pytest.mark.parametrize("name", ["fedfdp", "dpscaffold", "dpditto"])
+@pytest.mark.parametrize("name", DEPLOYED)
 def test_flower_deployment_equals_simulation(federation, name, tmp_path):
     """3 rounds through a real SuperLink + 3 SuperNodes: the simulation's global model, every client's
-    evaluation (DP-Ditto: its personal model, on its node) and ε. (Every algorithm over the
-    in-process grid: tests/test_flower_algorithms.py.)"""
+    evaluation (personal and cluster models: on their nodes) and ε."""
+    config = CONFIGS[name] if name in CONFIGS else algorithm_config(name, tmp_path)
     run_dir = tmp_path / "flower"
-    run = federation.run_app(f"config='{CONFIGS[name]}' overrides='{OVERRIDES}' run-dir='{run_dir}' "
+    run = federation.run_app(f"config='{config}' overrides='{OVERRIDES}' run-dir='{run_dir}' "
                              f"round-timeout=300.0")
     assert run.status == "finished:completed", run.output[-4000:]
-    sim = _simulate(name, tmp_path / "sim")
+    sim = _simulate(config, tmp_path / "sim")
     difference = _max_relative_difference(_global_model(sim), _global_model(run_dir))
-    assert difference <= 1e-6
+    assert difference <= MODEL_TOLERANCE.get(name, 1e-6), difference
     nodes = [e for c in range(3) for e in LedgerFile(ledger_path(federation.root / "ledgers", c)).read()]
     flower_eps = _client_epsilons(nodes, run=run.run_id)
-    sim_eps = _client_epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
-    assert flower_eps.keys() == sim_eps.keys() == {0, 1, 2}
+    private = (sim / "privacy_ledger.jsonl").is_file()  # the non-DP algorithms charge nothing
+    sim_eps = _client_epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read()) if private else {}
+    assert flower_eps.keys() == sim_eps.keys() == ({0, 1, 2} if private else set())
     assert all(flower_eps[c] == pytest.approx(sim_eps[c], rel=1e-12) for c in sim_eps)
     summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, sim))
-    assert summary["epsilon"] == pytest.approx(sim_summary["epsilon"], rel=1e-12)
+    if private:
+        assert summary["epsilon"] == pytest.approx(sim_summary["epsilon"], rel=1e-12)
+    else:
+        assert summary.get("epsilon") is None and sim_summary.get("epsilon") is None
     for key in ("accuracy", "accuracy_worst", "accuracy_std", "mean_loss"):  # every client's evaluated model
         assert summary["final"][key] == pytest.approx(sim_summary["final"][key], rel=1e-5, abs=1e-7), key
     (federation.root / f"equivalence_{name}.json").write_text(json.dumps(

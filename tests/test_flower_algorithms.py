@@ -6,7 +6,8 @@ each message to the ClientApp as a SuperNode would) equals the simulation: the s
 the same per-client evaluation (personal and cluster models evaluated on the nodes) and the same
 ε per client. Every node restarts before the last round (its ``context.state`` is gone), so the
 last round continues from the state files alone; the rounds before it from ``context.state``.
-The real-process run of one stateful algorithm is in ``tests/test_flower.py``.
+Over real processes (``tests/test_flower.py``, ``flower`` marker): FedFDP, DP-SCAFFOLD and DP-Ditto
+in every test run, every algorithm with ``pytest --flower-all-algorithms -m flower``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
 
@@ -30,78 +30,12 @@ from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
 from fedfdp.flower.strategy import check_deployable  # noqa: E402
 from fedfdp.privacy.accounting import epsilon_of  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.algorithm_cases import CASES, NOT_DEPLOYABLE, algorithm_config  # noqa: E402
 from tests.flower_harness import InProcessGrid  # noqa: E402
 
-CONFIGS = REPO / "tests" / "configs"
 ROUNDS = 3
 #: evaluated once, at the end (each evaluation is one more message per node)
 OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every {ROUNDS} --wandb disabled"
-DP = {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
-PLAIN = {"lr": 0.1, "batch_size": 32}
-ACCOUNTING = {"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 10.0, "delta": 1.0e-5}}
-LOSS = {"class_path": "callbacks.NoisyLossReporting", "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0}}
-GLOBAL_LOSS = {"class_path": "callbacks.NoisyGlobalLossReporting",
-               "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0}}
-FINP = {"client_reg": True, "server_agg": "ala", "curvature_samples": 16, "curvature_iters": 5}
-CLUSTERED = {"num_clusters": 2, "lr": 0.1, "batch_size": 16, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
-
-#: OracleCDPFL needs data that knows its true clusters: 3 digit clients in 2 rotation clusters
-DIGITS = {"data": {"class_path": "datamodules.ClusteredDigitsDataModule",
-                   "init_args": {"cluster_sizes": [1, 2], "shift": "rotation", "train_per_client": 60,
-                                 "test_per_client": 20, "sampling": "overlap", "partition_seed": 1}},
-          "net": {"class_path": "fedfdp.models.TinyCNN",
-                  "init_args": {"in_channels": 1, "num_classes": 10, "image_size": 8}}}
-
-#: algorithm → (init_args, callbacks[, data and net]); a file name instead: that tiny config as it is
-CASES: dict[str, tuple | str] = {
-    "FedAvg": (PLAIN, []),
-    "FedProx": ({**PLAIN, "mu": 0.01}, []),
-    "Scaffold": (PLAIN, []),
-    "FedDyn": ({**PLAIN, "alpha": 0.01}, []),
-    "Ditto": ({**PLAIN, "personal_weight": 0.1}, []),
-    "LocalOnly": (PLAIN, []),
-    "QFFL": ({**PLAIN, "q": 1.0}, [{"class_path": "callbacks.GlobalLossReporting"}]),
-    "FedFair": ({**PLAIN, "fairness_weight": 0.1}, [{"class_path": "callbacks.LossReporting"}]),
-    "FinP": ({**PLAIN, **FINP}, []),
-    "DPFedAvg": "tiny_dpfedavg.yaml",
-    "FedFDP": "tiny_fedfdp.yaml",
-    "DPFedAvgAdaClip": "tiny_adaclip.yaml",
-    "DPFinP": ({**DP, **FINP}, [ACCOUNTING]),
-    "DPFedProx": ({**DP, "mu": 0.01}, [ACCOUNTING]),
-    "DPScaffold": (DP, [ACCOUNTING]),
-    "DPFedDyn": ({**DP, "alpha": 0.01}, [ACCOUNTING]),
-    "DPDitto": ({**DP, "personal_weight": 0.1}, [ACCOUNTING]),
-    "DPLocalOnly": (DP, [ACCOUNTING]),
-    "DPQFFL": ({**DP, "q": 1.0}, [GLOBAL_LOSS, ACCOUNTING]),
-    "ALIDPFL": ({**DP, "max_local_steps": 3}, [ACCOUNTING]),
-    "DPFedAvgFairAgg": (DP, [LOSS, ACCOUNTING]),
-    "FedFDPFairAgg": (DP, [LOSS, ACCOUNTING]),
-    "ClusteredDPFL": (CLUSTERED, [ACCOUNTING]),
-    "IFCA": ({**CLUSTERED, "selection_epsilon": 1.0}, [ACCOUNTING]),
-    "KMCDPFL": (CLUSTERED, [ACCOUNTING]),
-    "RCDPFL": (CLUSTERED, [ACCOUNTING]),
-    "LocalDPSGD": (CLUSTERED, [ACCOUNTING]),
-    "OracleCDPFL": (CLUSTERED, [ACCOUNTING], DIGITS),
-    "DPFedAvgPriorCorrection": ({**DP, "prior_noise_multiplier": 2.0}, [ACCOUNTING]),  # a fit-start release
-}
-NOT_DEPLOYABLE: set[str] = set()
-
-
-def _config(name: str, directory: Path) -> Path:
-    case = CASES[name]
-    if isinstance(case, str):
-        return CONFIGS / case
-    init_args, callbacks, *swap = case
-    config = yaml.safe_load((CONFIGS / "tiny_dpfedavg.yaml").read_text())
-    if swap:
-        config["data"] = swap[0]["data"]
-        config["model"]["client"]["init_args"]["net"] = swap[0]["net"]
-    config["model"]["algorithm"] = {"class_path": f"fedfdp.algorithms.{name}", "init_args": dict(init_args)}
-    config["trainer"]["callbacks"] = list(callbacks)
-    path = directory / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def _nodes(ledgers: Path) -> dict[int, dict]:
@@ -143,7 +77,7 @@ def test_an_algorithm_can_refuse_deployment_in_one_line():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_deployed_algorithm_equals_simulation(name, tmp_path):
     """3 rounds deployed (nodes restarted before the last) = 3 rounds simulated: model, evaluation, ε."""
-    config = _config(name, tmp_path)
+    config = algorithm_config(name, tmp_path)
     sim = tmp_path / "sim"
     assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
     ledgers = tmp_path / "ledgers"
