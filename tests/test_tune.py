@@ -267,3 +267,26 @@ def test_shipped_search_spaces_load_and_start_from_their_base_config(path):
     space = load_space(str(path))
     assert set(baseline_params(config, space)) == set(space), "the base config's values lie outside the space"
     assert "8 Optuna trials" in path.read_text()  # the same budget for every method
+
+
+def test_a_study_continues_from_another_checkout_but_not_with_another_config(tmp_path, capsys):
+    """The study is tied to the config's content, not its path: study.db copied beside a copy of the
+    checkout continues (issue 23 item 6 runs across sessions); a config whose content differs is refused."""
+    first = tmp_path / "first" / "tiny.yaml"
+    first.parent.mkdir()
+    first.write_text(TINY.read_text())
+    study_dir = tmp_path / "study"
+    assert main(["tune", "--config", str(first), "--study-dir", str(study_dir), "--rounds", "1", "--trials", "1"]) == 0
+    moved = tmp_path / "second" / "study"
+    moved.mkdir(parents=True)
+    (moved / "study.db").write_bytes((study_dir / "study.db").read_bytes())
+    copy = tmp_path / "second" / "tiny.yaml"
+    copy.write_text(TINY.read_text())
+    capsys.readouterr()
+    assert main(["tune", "--config", str(copy), "--study-dir", str(moved), "--rounds", "1", "--trials", "1"]) == 0
+    assert "study study: 1 finished trials, 0 failed" in capsys.readouterr().out
+    assert not (moved / "trial0").exists()  # nothing re-run
+    copy.write_text(TINY.read_text() + "\n# another config\n")
+    assert main(["tune", "--config", str(copy), "--study-dir", str(moved), "--rounds", "1", "--trials", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not the one the study" in err and str(first) in err

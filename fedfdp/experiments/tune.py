@@ -52,8 +52,9 @@ last``; from the start when it had saved none), with the same values. A trial wh
 its ``error`` attribute and ``fit.log``) and is not re-run; when the first trials of a study fail
 before any has finished, the command stops with the error instead (a broken config or search
 space would fail every trial). A study is tied to its
-settings (config file and content, validation fraction, objective, rounds, seeds, search space):
-resuming it with others is refused.
+settings (the config's content, validation fraction, objective, rounds, seeds, search space):
+resuming it with others is refused. The config's path is not part of it: a study folder copied to
+another checkout (its ``study.db`` is enough) continues there.
 
 **Result.** ``<study-dir>/best.yaml`` is the base config with the best trial's values (and the
 same ``val_fraction``, so the final model trains on the same data it was tuned on; the base
@@ -185,11 +186,13 @@ def _check_identity(study: Any, settings: Settings) -> None:
         study.set_user_attr("settings", identity)
         return
     stored = dict(stored)
-    if "config_sha256" in stored and stored.get("config") == identity["config"] \
-            and stored["config_sha256"] != identity["config_sha256"]:
-        raise TuneError(f"the config file {settings.config} changed since the study in {settings.study_dir} started; "
-                        f"use another --study-dir for the new config")
-    diff = [k for k in identity if k != "config_sha256" and stored.get(k) != identity[k]]
+    # the config is its content: a study copied with its checkout to another folder (or machine)
+    # continues, and a config whose content changed is refused whatever its path
+    if "config_sha256" in stored and stored["config_sha256"] != identity["config_sha256"]:
+        raise TuneError(f"the config file {settings.config} is not the one the study in {settings.study_dir} started "
+                        f"with ({stored.get('config')}, changed since); use another --study-dir for the new config")
+    ignored = ("config", "config_sha256") if "config_sha256" in stored else ("config_sha256",)  # older: the path
+    diff = [k for k in identity if k not in ignored and stored.get(k) != identity[k]]
     if diff:
         shown = ", ".join(f"{k} (study: {json.dumps(stored.get(k))[:80]}, now: {json.dumps(identity[k])[:80]})"
                           for k in diff)
