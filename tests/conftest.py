@@ -27,7 +27,7 @@ def _deterministic_threads():
 def pytest_addoption(parser):
     parser.addoption("--flower-all-algorithms", action="store_true",
                      help="also deploy every algorithm over real Flower processes (flower_all marker; "
-                          "about 40 s each), not only the three of every test run")
+                          "about 2 min each here), not only the three of every test run")
 
 
 def pytest_collection_modifyitems(config, items):
