@@ -5,7 +5,8 @@ train and test splits → check labels and image shape → partition (Dirichlet 
 ``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test → optionally
 hold ``val_fraction`` of every client's *training* samples out as its validation split (a separate
 generator seeded by ``partition_seed``, so the partition and the test splits do not depend on it) →
-store each split once, grouped by client, in the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
+optionally map every image through a fixed feature extractor (``features``: a ScatterNet front end,
+data-independent, so free of privacy cost) → store each split once, grouped by client, in the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
 memory). ``(x / 255 - mean) / std`` is applied when a client's slice or an evaluation batch is read,
 so memory is the raw dataset once, whatever the number of clients.
 
@@ -32,7 +33,8 @@ from datamodules.partition import (
     validation_split_indices,
 )
 from datamodules.checks import is_int, is_real, check_fields, check_finite
-from datamodules.splits import ClientSplits, Split
+from datamodules.features import ScatteringFeatures
+from datamodules.splits import ClientSplits, Split, identity
 from fedfdp.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,11 @@ class FederatedDataModule(L.LightningDataModule):
             looked for): ``"auto"`` downloads them if the network answers (an offline machine fails
             within seconds, with one line), ``true`` downloads them (an error when that fails),
             ``false`` never downloads. Datasets without a download ignore ``"auto"``.
+        features: A fixed feature extractor every normalised image goes through once at setup
+            (:class:`~datamodules.features.ScatteringFeatures`: the ScatterNet front end of Tramèr &
+            Boneh 2021); the model then takes the features, e.g. ``(81, 7, 7)`` for FashionMNIST
+            at ``J = 2`` (:attr:`input_shape`). Its filters do not depend on the data, so it costs
+            no privacy. ``None`` (the default): the model takes the normalised pixels.
     """
 
     num_classes: int = 0
@@ -96,6 +103,7 @@ class FederatedDataModule(L.LightningDataModule):
         partition_seed: int = 1,
         val_fraction: float = 0.0,
         download: bool | Literal["auto"] = "auto",
+        features: ScatteringFeatures | None = None,
     ) -> None:
         super().__init__()
         check_fields(
@@ -111,6 +119,8 @@ class FederatedDataModule(L.LightningDataModule):
             partition_seed=(partition_seed, is_int(partition_seed, 0), "an integer >= 0"),
             val_fraction=(val_fraction, is_real(val_fraction) and 0 <= val_fraction < 1, "in [0, 1)"),
             download=(download, isinstance(download, bool) or download == "auto", "true, false or 'auto'"),
+            features=(features, features is None or isinstance(features, ScatteringFeatures),
+                      "null or a datamodules.features.ScatteringFeatures"),
         )
         self.data_dir = data_dir
         self.num_clients = int(num_clients)
@@ -122,6 +132,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.partition_seed = int(partition_seed)
         self.val_fraction = float(val_fraction)
         self.download = download
+        self.features = features
         self.train_sizes = np.zeros(0, dtype=np.int64)
         self.test_sizes = np.zeros(0, dtype=np.int64)
         self.val_sizes = np.zeros(0, dtype=np.int64)
@@ -147,6 +158,8 @@ class FederatedDataModule(L.LightningDataModule):
         if self._store is not None:
             return
         x, y = self._merged_arrays()
+        if self.features is not None:  # before splitting: every split goes through the same map
+            x = self._extract_features(x)
         rng = np.random.default_rng(self.partition_seed)
         try:
             if self.partition == "dirichlet":
@@ -213,6 +226,13 @@ class FederatedDataModule(L.LightningDataModule):
         self._input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
         return x, y
 
+    def _extract_features(self, x: np.ndarray) -> np.ndarray:
+        """Map every raw image through ``features`` (normalised first): float32 model inputs."""
+        assert self.features is not None
+        out = self.features.extract(x, self.normalize, f"mean={self.mean} std={self.std}")
+        self._input_shape = (int(out.shape[1]), int(out.shape[2]), int(out.shape[3]))
+        return out.numpy()
+
     def _check(self, x: np.ndarray, y: np.ndarray, what: str) -> None:
         """Raise DataError unless ``x``/``y`` are matching images and labels in range."""
         where = f"{type(self).__name__} {what}"
@@ -236,7 +256,9 @@ class FederatedDataModule(L.LightningDataModule):
         raw = torch.from_numpy(np.ascontiguousarray(x[order]))
         if raw.dtype != torch.uint8:
             raw = raw.to(torch.float32)
-        return ClientSplits(raw, torch.from_numpy(y[order].astype(np.int64)), sizes, self.normalize)
+        # with ``features`` the stored samples are already the model's (float32) input
+        read = self.normalize if self.features is None else identity
+        return ClientSplits(raw, torch.from_numpy(y[order].astype(np.int64)), sizes, read)
 
     def normalize(self, x: Tensor) -> Tensor:
         """Raw samples -> float32 model input: ``(x / 255 - mean) / std`` (no ``/ 255`` for float data)."""
@@ -338,6 +360,8 @@ class FederatedDataModule(L.LightningDataModule):
         config = {"dataset": type(self).__name__, **{k: getattr(self, k) for k in (*keys, "partition_seed")}}
         if self.val_fraction > 0:  # absent at 0, so partitions without a validation split keep their fingerprint
             config["val_fraction"] = self.val_fraction
+        if self.features is not None:  # the model's input differs, so a checkpoint must not resume across it
+            config["features"] = self.features.describe()
         return config
 
     def fingerprint(self) -> str:

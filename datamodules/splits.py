@@ -10,7 +10,7 @@ from torch import Tensor
 
 from fedfdp.errors import DataError
 
-__all__ = ["ClientSplits", "Split"]
+__all__ = ["ClientSplits", "Split", "identity"]
 
 Split = tuple[Tensor, Tensor]
 
@@ -42,7 +42,7 @@ class ClientSplits:
         sizes = np.array([len(yc) for _, yc in splits], dtype=np.int64)
         if not splits:
             raise DataError("no clients")
-        return cls(torch.cat([xc for xc, _ in splits]), torch.cat([yc for _, yc in splits]), sizes, _identity)
+        return cls(torch.cat([xc for xc, _ in splits]), torch.cat([yc for _, yc in splits]), sizes, identity)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -60,5 +60,6 @@ class ClientSplits:
                                        torch.from_numpy(self.sizes))
 
 
-def _identity(x: Tensor) -> Tensor:
+def identity(x: Tensor) -> Tensor:
+    """The read of samples stored as the model's input already (no normalisation)."""
     return x

@@ -8,6 +8,7 @@ Every process is started in its own session (process group) with a time bound, a
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -20,7 +21,52 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from fedfdp.fit import main as fit_main
+from fedfdp.privacy.accounting import epsilon_of
 from tests.conftest import REPO
+
+#: the tiny configs of the deployment tests (tests/configs/), each run for ROUNDS rounds
+CONFIGS = {name: REPO / "tests" / "configs" / f"tiny_{name}.yaml"
+           for name in ("dpfedavg", "fedfdp", "dpscaffold", "dpditto")}
+ROUNDS = 3
+#: a run of ROUNDS rounds, evaluated once at the end (every evaluation is one more message per node)
+OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every 10 --wandb disabled"
+#: between ε after 2 rounds (3.50) and after 3 rounds (3.97) of FedFDP in the tiny config
+TIGHT_TARGET = 3.7
+
+
+def simulate(name: str | Path, run_dir: Path) -> Path:
+    """The simulation of a tiny config (a name of CONFIGS or a path) for ROUNDS rounds in ``run_dir``."""
+    config = CONFIGS[name] if isinstance(name, str) else name
+    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def global_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The global model of a run's last checkpoint."""
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("global_model.")}
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over tensors of max |a - b| / max |a|."""
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-12)) for k in a)
+
+
+def client_epsilons(entries, run: str | None = None) -> dict[int, float]:
+    """Each client's ε (δ 1e-5) over ledger entries (of one run when ``run`` is given)."""
+    chosen = [e for e in entries if run is None or e.run == run]
+    return {c: epsilon_of([e.event for e in chosen if e.client == c], 1e-5) for c in sorted({e.client for e in chosen})}
+
+
+def upload_rows(run_dir: Path) -> list[dict[str, str]]:
+    """The rows of a run's metrics.csv that record a round's uploads."""
+    with open(run_dir / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("clients_uploaded")]
+
 
 APP = REPO / "examples" / "flower_app"
 BIN = Path(sys.executable).parent

@@ -3,6 +3,7 @@
 from fedfdp.models.cluster_cnn import RCDPFLCNN, TinyCNN
 from fedfdp.models.cnn import MLP, FedAvgCNN
 from fedfdp.models.resnet import ResNetGN
+from fedfdp.models.scatter import ScatterCNN, ScatterLinear
 from fedfdp.models.tcn import TCN
 
-__all__ = ["FedAvgCNN", "MLP", "RCDPFLCNN", "ResNetGN", "TCN", "TinyCNN"]
+__all__ = ["FedAvgCNN", "MLP", "RCDPFLCNN", "ResNetGN", "ScatterCNN", "ScatterLinear", "TCN", "TinyCNN"]
