@@ -51,6 +51,7 @@ CASES: dict[str, tuple | str] = {
     "DPFedDyn": ({**DP, "alpha": 0.01}, [ACCOUNTING]),
     "DPDitto": ({**DP, "personal_weight": 0.1}, [ACCOUNTING]),
     "DPLocalOnly": (DP, [ACCOUNTING]),
+    "DPFedAvgFineTune": ({**DP, "finetune_fraction": 0.5, "finetune_lr": 0.5}, [ACCOUNTING]),  # rounds 2, 3 fine-tune
     "DPQFFL": ({**DP, "q": 1.0}, [GLOBAL_LOSS, ACCOUNTING]),
     "ALIDPFL": ({**DP, "max_local_steps": 3}, [ACCOUNTING]),
     "DPFedAvgFairAgg": (DP, [LOSS, ACCOUNTING]),

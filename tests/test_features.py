@@ -75,7 +75,7 @@ def test_image_sides_not_divisible_by_two_to_the_j_fail_in_one_line():
     dm = SyntheticDataModule(num_samples=60, num_clients=2, image_shape=(1, 18, 18), features=ScatteringFeatures(J=2))
     with pytest.raises(DataError, match=r"^data\.features: ScatteringFeatures\(J=2\) needs image sides divisible by 4"):
         dm.setup()
-    with pytest.raises(ConfigError, match=r"^data\.features must be null or a datamodules\.features\.ScatteringFeatures"):
+    with pytest.raises(ConfigError, match=r"^data\.features must be null or a datamodules\.features\.Scattering"):
         SyntheticDataModule(features="scattering")  # type: ignore[arg-type]
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time they com
     from fedfdp.algorithms.fedfair import FedFair
     from fedfdp.algorithms.fedfdp import FedFDP
     from fedfdp.algorithms.fedprox import DPFedProx, FedProx
+    from fedfdp.algorithms.finetune import DPFedAvgFineTune
     from fedfdp.algorithms.finp import DPFinP, FinP
     from fedfdp.algorithms.ifca import IFCA
     from fedfdp.algorithms.kmcdpfl import KMCDPFL
@@ -59,6 +60,7 @@ REGISTRY: dict[str, str] = {
     "DPLocalOnly": "fedfdp.algorithms.local",
     "LocalOnly": "fedfdp.algorithms.local",
     "DPFedAvgPriorCorrection": "fedfdp.algorithms.prior",
+    "DPFedAvgFineTune": "fedfdp.algorithms.finetune",
     "DPFedDyn": "fedfdp.algorithms.feddyn",
     "FedDyn": "fedfdp.algorithms.feddyn",
     "DPFedProx": "fedfdp.algorithms.fedprox",
@@ -79,6 +81,7 @@ __all__ = ["Algorithm", "DPFedAvg", "FedAvg", "FedFair", "FedFDP", "FinP", "DPFi
            "FedFDPFairAgg", "DPFedAvgFairAgg", "DPFedAvgAdaClip",
            "ALIDPFL", "ClientStateStore", "DPDitto", "DPFedDyn", "DPFedProx", "DPQFFL", "DPScaffold",
            "Ditto", "FedDyn", "FedProx", "QFFL", "Scaffold", "LocalOnly", "DPLocalOnly", "DPFedAvgPriorCorrection",
+           "DPFedAvgFineTune",
            "ClusteredDPFL", "IFCA", "KMCDPFL", "LocalDPSGD", "OracleCDPFL", "RCDPFL"]
 
 

@@ -16,7 +16,8 @@ from torch import nn
 
 from callbacks import FederationCallback, NoisyGlobalLossReporting, NoisyLossReporting, RDPAccounting
 from fedfdp.algorithms import (ALIDPFL, IFCA, RCDPFL, ClusteredDPFL, DPDitto, DPFedAvg, DPFedAvgAdaClip,
-                               DPFedAvgFairAgg, DPFedAvgPriorCorrection, DPFedDyn, DPFedProx, DPFinP, DPLocalOnly,
+                               DPFedAvgFairAgg, DPFedAvgFineTune, DPFedAvgPriorCorrection, DPFedDyn, DPFedProx,
+                               DPFinP, DPLocalOnly,
                                DPQFFL, DPScaffold, FedAvg,
                                FedFDP, FedFDPFairAgg)
 from fedfdp.errors import ConfigError
@@ -30,7 +31,8 @@ DP = dict(lr=0.5, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
 
 #: every DP algorithm of the FedFDP family (the clustered family is checked below)
 DP_ALGORITHMS = [DPFedAvg, FedFDP, DPFedProx, DPScaffold, DPFedDyn, DPQFFL, ALIDPFL, DPDitto, DPFinP,
-                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip, DPLocalOnly, DPFedAvgPriorCorrection]
+                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip, DPLocalOnly, DPFedAvgPriorCorrection,
+                 DPFedAvgFineTune]
 
 
 def _callbacks(algorithm) -> list:
