@@ -21,6 +21,7 @@ released model, so ε covers the evaluated models.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from fedfdp.privacy.clipping import ClipRule
 
 __all__ = ["DPFedAvgFineTune"]
+
+logger = logging.getLogger(__name__)
 
 _MODEL = "finetuned"
 """Name of a client's fine-tuned model in the :class:`ClientStateStore`."""
@@ -94,6 +97,9 @@ class DPFedAvgFineTune(DPFedAvg):
         if round_idx >= self.switch_round and self.finetune_start is None:
             released = self._federation.released_model
             self.finetune_start = parameters_to_vector(released.parameters()).detach().clone()
+            logger.info("round %d: DP-FedAvg ends; each client fine-tunes the released model for the last %d "
+                        "rounds (finetune_fraction %g)", round_idx + 1, self._federation.total_rounds - round_idx,
+                        self.finetune_fraction)
         return RoundContext(round=round_idx, broadcast={_PHASE: float(round_idx >= self.switch_round)})
 
     def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
