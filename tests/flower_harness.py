@@ -62,6 +62,17 @@ def client_epsilons(entries, run: str | None = None) -> dict[int, float]:
     return {c: epsilon_of([e.event for e in chosen if e.client == c], 1e-5) for c in sorted({e.client for e in chosen})}
 
 
+def grid_nodes(ledgers: Path, targets: dict[int, float] | None = None) -> dict[int, dict]:
+    """The node configs of 3 in-process nodes (node ids 100-102, partitions 0-2) for :class:`InProcessGrid`."""
+    configs = {}
+    for cid in range(3):
+        config = {"partition-id": cid, "num-partitions": 3, "ledger-dir": str(ledgers), "secure-rng": False}
+        if targets and cid in targets:
+            config["target-epsilon"] = targets[cid]
+        configs[100 + cid] = config
+    return configs
+
+
 def upload_rows(run_dir: Path) -> list[dict[str, str]]:
     """The rows of a run's metrics.csv that record a round's uploads."""
     with open(run_dir / "metrics.csv") as f:

@@ -20,8 +20,7 @@ pytest.importorskip("flwr", reason="the flower extra is not installed (pip insta
 
 from fedfdp.fit import main as fit_main  # noqa: E402
 from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
-from tests.flower_harness import InProcessGrid  # noqa: E402
-from tests.test_flower import CONFIGS, _global_model, _max_relative_difference, _nodes  # noqa: E402
+from tests.flower_harness import CONFIGS, InProcessGrid, global_model, grid_nodes, max_relative_difference  # noqa: E402
 
 EXAMPLES = "examples.extending"
 EXTENDED = (f"--model.num_rounds 3 --model.eval_every 10 --wandb disabled "
@@ -45,11 +44,11 @@ def simulated(tmp_path_factory) -> Path:
 
 
 def test_examples_under_flower_equal_the_simulation(simulated, tmp_path):
-    grid = InProcessGrid(_nodes(tmp_path / "ledgers"))
+    grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"))
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["dpfedavg"]), "overrides": EXTENDED,
                                                "run-dir": str(tmp_path / "flower")})
     deployed = run_server(grid, settings)  # type: ignore[arg-type]
-    assert _max_relative_difference(_global_model(simulated), _global_model(deployed)) == 0.0
+    assert max_relative_difference(global_model(simulated), global_model(deployed)) == 0.0
     assert _norms(deployed) == _norms(simulated)
 
 
@@ -63,7 +62,7 @@ def test_the_callback_logs_every_round_and_the_decay_changes_the_model(simulated
     undecayed = tmp_path / "undecayed"
     args = EXTENDED.replace("--model.algorithm.init_args.decay 2.0", "--model.algorithm.init_args.decay 0.0")
     assert fit_main(["--config", str(CONFIGS["dpfedavg"]), *args.split(), "--run_dir", str(undecayed)]) == 0
-    assert _max_relative_difference(_global_model(simulated), _global_model(undecayed)) > 1e-3
+    assert max_relative_difference(global_model(simulated), global_model(undecayed)) > 1e-3
     # the decay shrinks every step after round 0: later uploads move the model less than without it
     assert _norms(simulated)[0] == pytest.approx(_norms(undecayed)[0], rel=1e-6)
     assert _norms(simulated)[2] < _norms(undecayed)[2]

@@ -30,8 +30,8 @@ from fedfdp.privacy.accounting import DPEvent, epsilon_of  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
 from fedfdp.seeding import SecureGenerator  # noqa: E402
 from fedfdp.types import ClientUpdate  # noqa: E402
-from tests.flower_harness import CONFIGS, OVERRIDES, ROUNDS, TIGHT_TARGET, InProcessGrid, client_epsilons, global_model, \
-    max_relative_difference, simulate, upload_rows  # noqa: E402
+from tests.flower_harness import CONFIGS, OVERRIDES, ROUNDS, TIGHT_TARGET, InProcessGrid, client_epsilons, \
+    global_model, grid_nodes, max_relative_difference, simulate, upload_rows  # noqa: E402
 
 MODEL = DPEvent(noise_multiplier=1.0, sample_rate=0.2)   # tiny configs: one DP-SGD step per round
 LOSS = DPEvent(noise_multiplier=5.0, sample_rate=0.2)    # and FedFDP's loss release
@@ -112,20 +112,10 @@ def test_an_upload_crosses_the_wire_bit_for_bit():
 
 
 # ---- the server strategy over an in-process grid ------------------------------------------------
-def _nodes(ledgers: Path, targets: dict[int, float] | None = None) -> dict[int, dict]:
-    configs = {}
-    for cid in range(3):
-        config = {"partition-id": cid, "num-partitions": 3, "ledger-dir": str(ledgers), "secure-rng": False}
-        if targets and cid in targets:
-            config["target-epsilon"] = targets[cid]
-        configs[100 + cid] = config
-    return configs
-
-
 def test_strategy_over_in_process_nodes_equals_simulation(tmp_path):
     """The server strategy and the ClientApp, without processes: the simulation's model and ε, bit for bit."""
     sim = simulate("fedfdp", tmp_path / "sim")
-    grid = InProcessGrid(_nodes(tmp_path / "ledgers"))
+    grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"))
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "overrides": OVERRIDES,
                                                "run-dir": str(tmp_path / "flower")})
     run_dir = run_server(grid, settings)  # type: ignore[arg-type]
@@ -148,7 +138,7 @@ def test_a_resumed_deployment_continues_the_run(tmp_path, name):
         overrides = OVERRIDES.replace(f"--model.num_rounds {ROUNDS}", f"--model.num_rounds {rounds}")
         settings = ServerSettings.from_run_config({"config": str(CONFIGS[name]), "run-dir": str(run_dir),
                                                    "overrides": overrides + " --checkpoint_every 1", **extra})
-        return run_server(InProcessGrid(_nodes(node_ledgers)), settings)  # type: ignore[arg-type]
+        return run_server(InProcessGrid(grid_nodes(node_ledgers)), settings)  # type: ignore[arg-type]
 
     whole = deploy(tmp_path / "whole", 4, tmp_path / "whole_ledgers")
     run_dir = deploy(tmp_path / "run", 2, ledgers)
@@ -176,7 +166,7 @@ def test_a_resume_without_its_run_dir_is_refused_with_one_line():
 def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
     """Client 2 refuses round 3 (its own target); client 1 never answers from round 2: the others carry on."""
     ledgers = tmp_path / "ledgers"
-    grid = InProcessGrid(_nodes(ledgers, targets={2: TIGHT_TARGET}), silent={101}, silent_from=1)
+    grid = InProcessGrid(grid_nodes(ledgers, targets={2: TIGHT_TARGET}), silent={101}, silent_from=1)
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "overrides": OVERRIDES,
                                                "run-dir": str(tmp_path / "flower"), "round-timeout": 1.0})
     run_dir = run_server(grid, settings)  # type: ignore[arg-type]
@@ -195,7 +185,7 @@ def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
 
 def test_a_lost_node_is_named_by_its_id_and_round_and_a_slow_one_as_slow(tmp_path, caplog):
     """Client 1's node dies in round 2 (the SuperLink reports it unavailable); client 2's stays connected but silent."""
-    grid = InProcessGrid(_nodes(tmp_path / "ledgers"), silent={102}, lost={101}, silent_from=1)
+    grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"), silent={102}, lost={101}, silent_from=1)
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "overrides": OVERRIDES,
                                                "run-dir": str(tmp_path / "flower"), "round-timeout": 1.0})
     with caplog.at_level("WARNING", logger="fedfdp.flower.strategy"):
@@ -209,7 +199,7 @@ def test_a_lost_node_is_named_by_its_id_and_round_and_a_slow_one_as_slow(tmp_pat
 
 
 def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):
-    nodes = _nodes(tmp_path / "ledgers")
+    nodes = grid_nodes(tmp_path / "ledgers")
     nodes[102]["num-partitions"] = 4
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "overrides": OVERRIDES,
                                                "run-dir": str(tmp_path / "flower")})

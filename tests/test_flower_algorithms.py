@@ -13,7 +13,6 @@ in every test run, every algorithm with ``pytest --flower-all-algorithms -m flow
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -28,29 +27,13 @@ from fedfdp.flower.node_ledger import ledger_path  # noqa: E402
 from fedfdp.flower.node_state import ClientStateError, NodeStateFile, state_path  # noqa: E402
 from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
 from fedfdp.flower.strategy import check_deployable  # noqa: E402
-from fedfdp.privacy.accounting import epsilon_of  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
 from tests.algorithm_cases import CASES, NOT_DEPLOYABLE, algorithm_config  # noqa: E402
-from tests.flower_harness import InProcessGrid  # noqa: E402
+from tests.flower_harness import InProcessGrid, client_epsilons, global_model, grid_nodes  # noqa: E402
 
 ROUNDS = 3
 #: evaluated once, at the end (each evaluation is one more message per node)
 OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every {ROUNDS} --wandb disabled"
-
-
-def _nodes(ledgers: Path) -> dict[int, dict]:
-    return {100 + c: {"partition-id": c, "num-partitions": 3, "ledger-dir": str(ledgers), "secure-rng": False}
-            for c in range(3)}
-
-
-def _global_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    return {k: v for k, v in state.items() if k.startswith("global_model.")}
-
-
-def _epsilons(entries) -> dict[int, float]:
-    entries = list(entries)
-    return {c: epsilon_of([e.event for e in entries if e.client == c], 1e-5) for c in sorted({e.client for e in entries})}
 
 
 def test_every_algorithm_is_deployable_or_says_why():
@@ -83,8 +66,8 @@ def test_deployed_algorithm_equals_simulation(name, tmp_path):
     ledgers = tmp_path / "ledgers"
     settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
                                                "run-dir": str(tmp_path / "flower")})
-    run_dir = run_server(InProcessGrid(_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
-    deployed, simulated = _global_model(run_dir), _global_model(sim)
+    run_dir = run_server(InProcessGrid(grid_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
+    deployed, simulated = global_model(run_dir), global_model(sim)
     assert deployed.keys() == simulated.keys()
     for key in simulated:
         torch.testing.assert_close(deployed[key], simulated[key], rtol=1e-6, atol=1e-7, msg=key)
@@ -94,7 +77,7 @@ def test_deployed_algorithm_equals_simulation(name, tmp_path):
         assert flower_summary["final"][key] == pytest.approx(sim_summary["final"][key], rel=1e-5, abs=1e-7), key
     if (sim / "privacy_ledger.jsonl").is_file():
         nodes = [e for c in range(3) for e in LedgerFile(ledger_path(ledgers, c)).read()]
-        flower_eps, sim_eps = _epsilons(nodes), _epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
+        flower_eps, sim_eps = client_epsilons(nodes), client_epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
         assert flower_eps.keys() == sim_eps.keys() and all(
             flower_eps[c] == pytest.approx(sim_eps[c], rel=1e-12) for c in sim_eps)
     states = sorted(p.name for p in ledgers.glob("client_state-*.pt"))
