@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -142,9 +142,11 @@ def test_every_clipped_norm_is_at_most_the_bound_and_the_count_is_exact(norms, b
 
 @settings(max_examples=15, deadline=None)
 @given(scale=st.floats(min_value=1e-3, max_value=1e3), seed=st.integers(0, 10_000))
+@example(scale=712.2986028692753, seed=98)  # a CI draw where the recomputed gradient is 1.06e-4 off
 def test_each_sample_contributes_at_most_the_current_bound_in_the_real_step(scale, seed):
-    """True per-sample gradients (one backward each) times the step's factors: norm ≤ C_i, whatever the
-    inputs and whichever bound the client has reached."""
+    """Each record's contribution to the released sum (the engine's own weighted sum, one record at a
+    time) has norm ≤ C_i, whatever the inputs and whichever bound the client has reached; the true
+    per-sample gradients (one backward each) times the step's factors agree to float32 rounding."""
     torch.manual_seed(seed)
     algorithm = DPFedAvgAdaClip(bound_scope="client", **ADA)
     algorithm.bounds[0] = float(torch.empty(()).uniform_(0.05, 5.0))
@@ -155,9 +157,14 @@ def test_each_sample_contributes_at_most_the_current_bound_in_the_real_step(scal
     factors = batch.clip_rule(result.losses, result.norms)
     params = client.trainable_parameters()
     for j in range(batch.y.shape[0]):
+        weights = torch.zeros_like(factors)
+        weights[j] = factors[j]
+        released = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+        assert float(released.norm()) <= algorithm.bound(0) * (1 + 1e-5)
         loss = client.per_sample_loss(client(batch.x[j:j + 1]), batch.y[j:j + 1]).sum()
         grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-        assert float((factors[j] * grad).norm()) <= algorithm.bound(0) * (1 + 1e-4)
+        # an independent float32 recomputation: inputs up to 1e3 amplify rounding (measured 1.06e-4)
+        assert float((factors[j] * grad).norm()) <= algorithm.bound(0) * (1 + 1e-3)
     assert batch.noise_std == pytest.approx(split_noise_multiplier(1.0, 2.0) * algorithm.bound(0))
 
 
