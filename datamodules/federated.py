@@ -337,7 +337,8 @@ class FederatedDataModule(L.LightningDataModule):
         return store.x, store.y, store.client_ids(), store.normalize
 
     def pooled_train(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Union of all client train splits, normalised: ``(x, y, client_id)`` (a new float32 tensor)."""
+        """Union of all client train splits, normalised: ``(x, y, client_id)`` (a new float32 tensor; with
+        ``features``, the stored features themselves: read them, do not write to them)."""
         store = self._split(0)
         return store.normalize(store.x), store.y, store.client_ids()
 
