@@ -5,10 +5,11 @@ train and test splits → check labels and image shape → partition (Dirichlet 
 ``np.random.default_rng(partition_seed)``) → split every client 75/25 into train/test → optionally
 hold ``val_fraction`` of every client's *training* samples out as its validation split (a separate
 generator seeded by ``partition_seed``, so the partition and the test splits do not depend on it) →
-optionally map every image through a fixed feature extractor (``features``: a ScatterNet front end,
-data-independent, so free of privacy cost) → store each split once, grouped by client, in the dtype it was loaded in (:class:`ClientSplits`: ``uint8`` images take a quarter of float32's
-memory). ``(x / 255 - mean) / std`` is applied when a client's slice or an evaluation batch is read,
-so memory is the raw dataset once, whatever the number of clients.
+store each split once, grouped by client, in the dtype it was loaded in (:class:`ClientSplits`:
+``uint8`` images take a quarter of float32's memory). ``(x / 255 - mean) / std`` is applied when a
+client's slice or an evaluation batch is read, so memory is the raw dataset once. With ``features``
+every image is mapped once, before the partition, through a fixed, data-independent extractor (a
+ScatterNet front end, no privacy cost), and the stored float32 features are read as they are.
 
 The module deliberately defines no ``*_dataloader`` hooks: the federation builds its own
 per-client loaders from :meth:`client_train` / :meth:`client_test`.
@@ -158,8 +159,9 @@ class FederatedDataModule(L.LightningDataModule):
         if self._store is not None:
             return
         x, y = self._merged_arrays()
-        if self.features is not None:  # before splitting: every split goes through the same map
-            x = self._extract_features(x)
+        if self.features is not None:  # the model's input: float32 features of the normalised images
+            x = self.features.extract(x, self.normalize, f"mean={self.mean} std={self.std}").numpy()
+            self._input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
         rng = np.random.default_rng(self.partition_seed)
         try:
             if self.partition == "dirichlet":
@@ -225,13 +227,6 @@ class FederatedDataModule(L.LightningDataModule):
         x = x[:, None] if x.ndim == 3 else x
         self._input_shape = (int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
         return x, y
-
-    def _extract_features(self, x: np.ndarray) -> np.ndarray:
-        """Map every raw image through ``features`` (normalised first): float32 model inputs."""
-        assert self.features is not None
-        out = self.features.extract(x, self.normalize, f"mean={self.mean} std={self.std}")
-        self._input_shape = (int(out.shape[1]), int(out.shape[2]), int(out.shape[3]))
-        return out.numpy()
 
     def _check(self, x: np.ndarray, y: np.ndarray, what: str) -> None:
         """Raise DataError unless ``x``/``y`` are matching images and labels in range."""

@@ -11,6 +11,7 @@ from torch import nn
 from callbacks import FederationCallback
 from datamodules import SyntheticDataModule
 from fedfdp import ClientModule, Federation
+from fedfdp.privacy.per_sample import per_sample_cross_entropy
 
 
 class TinyConvNet(nn.Module):
@@ -117,3 +118,21 @@ class ReleaseTrace(FederationCallback):
                 f.write(json.dumps({"round": federation.current_round, "client": u.client_id, "events": events}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def microbatch_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Reference: one backward per sample; returns (B, d)."""
+    rows = []
+    for j in range(x.shape[0]):
+        net.zero_grad()
+        per_sample_cross_entropy(net(x[j:j + 1]), y[j:j + 1]).sum().backward()
+        rows.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    net.zero_grad()
+    return torch.stack(rows)
+
+
+def assert_matches(result, ref: torch.Tensor, weights: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Norms and the weighted sum of an engine result equal those of the reference gradients (B, d)."""
+    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=rtol, atol=atol)
+    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
+    torch.testing.assert_close(summed, weights @ ref, rtol=rtol, atol=atol)

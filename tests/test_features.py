@@ -10,7 +10,7 @@ from datamodules.features import ScatteringFeatures
 from fedfdp.errors import ConfigError, DataError
 from fedfdp.models import ScatterCNN, ScatterLinear
 from fedfdp.privacy.per_sample import GhostEngine, ghost_unsupported_reason
-from tests.privacy.test_per_sample import assert_matches, microbatch_grads
+from tests.helpers import assert_matches, microbatch_grads
 
 
 def test_scattering_shape_channels_and_constant_image():

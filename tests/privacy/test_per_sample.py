@@ -12,25 +12,7 @@ from fedfdp.models import FedAvgCNN
 from fedfdp.privacy.clipping import FairClip
 from fedfdp.privacy.per_sample import GhostEngine, VmapEngine, ghost_unsupported_reason, make_engine, \
     per_sample_cross_entropy
-from tests.helpers import TinyConvNet
-
-
-def microbatch_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Reference: one backward per sample; returns (B, d)."""
-    rows = []
-    for j in range(x.shape[0]):
-        net.zero_grad()
-        per_sample_cross_entropy(net(x[j:j + 1]), y[j:j + 1]).sum().backward()
-        rows.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
-    net.zero_grad()
-    return torch.stack(rows)
-
-
-def assert_matches(result, ref: torch.Tensor, weights: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """Norms and the weighted sum of an engine result equal those of the reference gradients (B, d)."""
-    torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=rtol, atol=atol)
-    summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
-    torch.testing.assert_close(summed, weights @ ref, rtol=rtol, atol=atol)
+from tests.helpers import TinyConvNet, assert_matches, microbatch_grads
 
 
 @pytest.mark.parametrize("engine_cls", [GhostEngine, VmapEngine])
