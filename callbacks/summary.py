@@ -47,12 +47,12 @@ def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
     and bounded and every field of the uploads is declared private
     (:mod:`fedfdp.privacy.uploads`), and none ran without a guarantee (``allow_non_private``).
     ``evaluated_models_private``: moreover every model the run evaluates and reports is covered
-    by that ε (``Algorithm.evaluated_models_covered``; false e.g. for DP-Ditto's personal models
-    trained by plain SGD on the client).
+    by that ε (``Algorithm.covers_evaluated_models``, fail-closed; false e.g. for DP-Ditto's
+    personal models trained by plain SGD on the client).
     """
     accountant = federation.accountant
     dp_valid = accountant is not None and accountant.guarantee_holds
-    covered = bool(getattr(federation.algorithm, "evaluated_models_covered", False))
+    covered = federation.algorithm.covers_evaluated_models()
     return {"dp_valid": dp_valid, "evaluated_models_private": dp_valid and covered}
 
 

@@ -162,11 +162,38 @@ class Algorithm:
         """
         return {"params": None}
 
-    #: Whether every model that evaluation reports (:meth:`evaluation_groups`) is a function of
-    #: this algorithm's charged releases and public values only, so that the run's ε covers the
-    #: models it evaluates. False for models trained on raw data and kept on the client (e.g.
-    #: DP-Ditto's personal models with ``private_personal: false``).
+    #: Whether every model that evaluation reports (:meth:`evaluation_groups`, with
+    #: :meth:`evaluation_logit_offsets`) is a function of this algorithm's charged releases and
+    #: public values only, so that the run's ε covers the models it evaluates. True here: the
+    #: default hooks evaluate the released global model as it is. False for models trained on raw
+    #: data and kept on the client (e.g. DP-Ditto's personal models with ``private_personal: false``).
+    #: Fail-closed (:meth:`covers_evaluated_models`): a class that overrides an evaluation hook
+    #: must declare this itself; an inherited declaration does not cover the new hook.
     evaluated_models_covered: ClassVar[bool] = True
+
+    #: The hooks that decide which model, with which logit offsets, evaluates each client.
+    EVALUATION_HOOKS: ClassVar[tuple[str, ...]] = ("evaluation_groups", "evaluation_logit_offsets")
+
+    def covers_evaluated_models(self) -> bool:
+        """Whether the run's ε covers every model it evaluates (``summary.json``'s
+        ``evaluated_models_private``, together with ``dp_valid``).
+
+        ``evaluated_models_covered`` counts only where it is declared on the instance, or on the
+        class that defines the most derived evaluation hook (or a subclass of it): a subclass that
+        overrides :meth:`evaluation_groups` or :meth:`evaluation_logit_offsets` and says nothing
+        evaluates models that no declaration has vouched for, so the answer is False.
+        """
+        if "evaluated_models_covered" in vars(self):  # set per run, e.g. from a constructor flag
+            return bool(self.evaluated_models_covered)
+        return self.class_covers_evaluated_models()
+
+    @classmethod
+    def class_covers_evaluated_models(cls) -> bool:
+        """:meth:`covers_evaluated_models` from the class's declarations alone (no instance flag)."""
+        mro = cls.__mro__
+        hook_owner = min(i for i, klass in enumerate(mro) if any(h in vars(klass) for h in cls.EVALUATION_HOOKS))
+        declarer = next(i for i, klass in enumerate(mro) if "evaluated_models_covered" in vars(klass))
+        return declarer <= hook_owner and bool(vars(mro[declarer])["evaluated_models_covered"])
 
     # ---- deployment: what a client keeps on its node, what the server sends it ----------------
     def export_client_state(self, client_id: int) -> dict[str, Tensor]:

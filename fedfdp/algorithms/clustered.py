@@ -78,6 +78,10 @@ class ClusteredDPFL(Algorithm):
     """
 
     required_callbacks = (RDPAccounting,)
+    #: Each evaluated model is a cluster model: an average of charged DP-SGD uploads, grouped by
+    #: cluster indices that are public (the server's) or charged selections. With ``selection:
+    #: loss`` the indices are not private, and ``dp_valid`` (hence the claim) is false.
+    evaluated_models_covered: ClassVar[bool] = True
     full_batch_first_round: ClassVar[bool] = False
 
     def __init__(self, *, num_clusters: int = 4, lr: float = 0.1, batch_size: int = 16, local_epochs: int = 1,

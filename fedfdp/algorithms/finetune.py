@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector
@@ -66,6 +66,9 @@ class DPFedAvgFineTune(DPFedAvg):
     """
 
     supports_distributed = False  # per-client models kept by local_update (see Algorithm)
+    #: Each evaluated model is the released global model (EMA), or that model followed by the
+    #: client's own chain of charged DP-SGD steps.
+    evaluated_models_covered: ClassVar[bool] = True
     # Clients train one by one, not stacked (fedfdp.stacked): client_start_params is overridden.
 
     def __init__(self, *, finetune_fraction: float = 0.2, finetune_lr: float | None = None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -55,6 +55,9 @@ class DPFedAvgPriorCorrection(DPFedAvg):
     """
 
     supports_distributed = False  # the histograms are released on the process that holds every client
+    #: Each client evaluates the released global model with offsets computed from its charged
+    #: noisy label histogram and the public sum of all of them (post-processing).
+    evaluated_models_covered: ClassVar[bool] = True
 
     def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0, **dp_fedavg: Any) -> None:
         super().__init__(**dp_fedavg)

@@ -174,6 +174,57 @@ def test_summary_claims(make, callbacks, dp_valid, evaluated_private):
     assert privacy_claims(trainer, fed) == {"dp_valid": dp_valid, "evaluated_models_private": evaluated_private}
 
 
+class _PersonalKept(DPFedAvg):
+    """DP-FedAvg that evaluates models it says nothing about (a user's new personalised module)."""
+
+    def evaluation_groups(self, global_params, num_clients):  # noqa: D102
+        return [([i], global_params.clone()) for i in range(num_clients)]
+
+
+class _OffsetsFromRawData(DPFedAvg):
+    """DP-FedAvg whose clients shift their logits by something it does not declare."""
+
+    def evaluation_logit_offsets(self):  # noqa: D102
+        return torch.zeros(3, 10)
+
+
+class _DeclaredPersonal(_PersonalKept):
+    """The same hook, vouched for by a declaration on the class that overrides it."""
+
+    evaluated_models_covered = True
+
+
+def test_an_overridden_evaluation_hook_without_a_declaration_is_not_covered():
+    """Fail-closed: a declaration inherited from above the class that overrides an evaluation hook
+    does not cover the new hook; the run stays DP, but ε no longer covers what it evaluates."""
+    from fedfdp.algorithms import DPLocalOnly
+
+    class _LocalSubclass(DPLocalOnly):  # DPLocalOnly declares True for its own hook, not for this one
+        def evaluation_groups(self, global_params, num_clients):  # noqa: D102
+            return super().evaluation_groups(global_params, num_clients)
+
+    for cls in (_PersonalKept, _OffsetsFromRawData, _LocalSubclass):
+        assert cls.evaluated_models_covered is True and cls.class_covers_evaluated_models() is False, cls
+    assert _DeclaredPersonal.class_covers_evaluated_models() is True
+    fed, trainer = run_federation(_PersonalKept(**DP), [RDPAccounting()], rounds=1)
+    assert privacy_claims(trainer, fed) == {"dp_valid": True, "evaluated_models_private": False}
+
+
+def test_every_algorithm_that_overrides_an_evaluation_hook_declares_what_it_covers():
+    """The shipped algorithms' claims, from their declarations (DP-Ditto's depends on its flag)."""
+    import fedfdp.algorithms as algorithms
+
+    algorithms.load_all()
+    expected_uncovered = {"LocalOnly", "Ditto", "DPDitto"}  # non-DP local models; personal models per flag
+    for name in algorithms.REGISTRY:
+        cls = getattr(algorithms, name)
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            continue
+        assert cls.class_covers_evaluated_models() is (name not in expected_uncovered), name
+    assert DPDitto(**DP, private_personal=True).covers_evaluated_models() is True
+    assert DPDitto(**DP, private_personal=False, personal_lr=0.05).covers_evaluated_models() is False
+
+
 def test_summary_json_and_report_say_which_models_epsilon_covers(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir)]) == 0, capsys.readouterr().err
