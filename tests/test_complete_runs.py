@@ -65,3 +65,42 @@ def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeyp
             assert cells in text, f"docs/results.md does not show tabulate's row for {label}"
         if "--plot" in argv:
             assert (tmp_path / f"plot{n}.png").stat().st_size > 10_000
+
+
+STUDIES = sorted((REPO / "docs" / "complete_runs" / "tuning" / "equal_budget").glob("*/best.json"))
+
+
+def _dotted(config: dict, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+@pytest.mark.parametrize("best_path", STUDIES, ids=lambda p: p.parent.name)
+def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(best_path, tmp_path):
+    """A row called "8-trial tuned" is true: its study finished 8 trials, the committed winner is
+    the study's best trial, and the tuned config and every committed seed run use its values."""
+    import shutil
+
+    import optuna
+    import yaml
+    from optuna.trial import TrialState
+
+    name = best_path.parent.name
+    best = json.loads(best_path.read_text())
+    db = tmp_path / "study.db"  # a copy: loading a study may write to its file
+    shutil.copy(best_path.parent / "study.db", db)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+    assert len(finished) == len(study.trials) == 8, name
+    assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
+    assert best["val_fraction"] == 0.1 and best["objective"] == "val_accuracy+val_accuracy_worst"
+
+    tuned = yaml.safe_load((REPO / "configs" / "tuned" / f"fmnist_{name}.yaml").read_text())
+    runs = sorted((REPO / "docs" / "complete_runs").glob(f"*/{name}_tuned/seed*/config.yaml"))
+    assert len(runs) >= 3, f"{name}: the winner's rows need 3 seeds, found {len(runs)}"
+    for config in [tuned] + [yaml.safe_load(p.read_text()) for p in runs]:
+        assert config["data"]["init_args"]["val_fraction"] == best["val_fraction"]
+        for key, value in study.best_trial.params.items():
+            assert _dotted(config, key) == (value if value is None else pytest.approx(value, rel=1e-12)), (name, key)
