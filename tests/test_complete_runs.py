@@ -68,6 +68,16 @@ def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeyp
 
 
 STUDIES = sorted((REPO / "docs" / "complete_runs" / "tuning" / "equal_budget").glob("*/best.json"))
+#: Each finished equal-budget study: the config its table rows name and the committed runs of it.
+#: A study whose best trial is trial 0 (the shipped config) keeps the shipped config and its rows.
+WINNER_ROWS = {
+    "local_dp": ("configs/tuned/fmnist_local_dp.yaml", "issue23_fmnist10/local_dp_tuned"),
+    "dpfedavg": ("configs/tuned/fmnist_dpfedavg.yaml", "table4_fmnist/dpfedavg_tuned"),
+    "dpfedavg_prior": ("configs/fmnist_dpfedavg_prior.yaml", "issue23_fmnist10/dpfedavg_prior"),
+    "ditto_dp_private": ("configs/tuned/fmnist_ditto_dp_private.yaml", "issue23_fmnist10/ditto_dp_private_tuned"),
+    **{f"{m}_scatter": (f"configs/tuned/fmnist_{m}_scatter.yaml", f"issue23_fmnist10/{m}_scatter_tuned")
+       for m in ("local_dp", "dpfedavg", "dpfedavg_prior", "dpfedavg_finetune")},
+}
 
 
 def _dotted(config: dict, key: str):
@@ -76,10 +86,15 @@ def _dotted(config: dict, key: str):
     return config
 
 
+def test_every_finished_study_names_the_rows_of_its_winner():
+    assert {p.parent.name for p in STUDIES} == set(WINNER_ROWS)
+
+
 @pytest.mark.parametrize("best_path", STUDIES, ids=lambda p: p.parent.name)
 def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(best_path, tmp_path):
     """A row called "8-trial tuned" is true: its study finished 8 trials, the committed winner is
-    the study's best trial, and the tuned config and every committed seed run use its values."""
+    the study's best trial, and the config its rows name and every committed seed run of it use
+    the winner's values."""
     import shutil
 
     import optuna
@@ -97,10 +112,10 @@ def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(bes
     assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
     assert best["val_fraction"] == 0.1 and best["objective"] == "val_accuracy+val_accuracy_worst"
 
-    tuned = yaml.safe_load((REPO / "configs" / "tuned" / f"fmnist_{name}.yaml").read_text())
-    runs = sorted((REPO / "docs" / "complete_runs").glob(f"*/{name}_tuned/seed*/config.yaml"))
+    config_path, runs_dir = WINNER_ROWS[name]
+    runs = sorted((REPO / "docs" / "complete_runs" / runs_dir).glob("seed*/config.yaml"))
     assert len(runs) >= 3, f"{name}: the winner's rows need 3 seeds, found {len(runs)}"
-    for config in [tuned] + [yaml.safe_load(p.read_text()) for p in runs]:
+    for config in [yaml.safe_load((REPO / config_path).read_text())] + [yaml.safe_load(p.read_text()) for p in runs]:
         assert config["data"]["init_args"]["val_fraction"] == best["val_fraction"]
         for key, value in study.best_trial.params.items():
             assert _dotted(config, key) == (value if value is None else pytest.approx(value, rel=1e-12)), (name, key)
