@@ -20,8 +20,9 @@ if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time they com
     from fedfdp.algorithms.adaclip import DPFedAvgAdaClip
     from fedfdp.algorithms.alidpfl import ALIDPFL
     from fedfdp.algorithms.base import Algorithm
+    from fedfdp.algorithms.cdpfl_baselines import LocalDPSGD, OracleCDPFL
     from fedfdp.algorithms.client_state import ClientStateStore
-    from fedfdp.algorithms.clustered import ClusteredDPFL, LocalDPSGD, OracleCDPFL
+    from fedfdp.algorithms.clustered import ClusteredDPFL
     from fedfdp.algorithms.ditto import Ditto, DPDitto
     from fedfdp.algorithms.dpfedavg import DPFedAvg
     from fedfdp.algorithms.fairagg import DPFedAvgFairAgg, FedFDPFairAgg
@@ -70,8 +71,8 @@ REGISTRY: dict[str, str] = {
     "DPScaffold": "fedfdp.algorithms.scaffold",
     "Scaffold": "fedfdp.algorithms.scaffold",
     "ClusteredDPFL": "fedfdp.algorithms.clustered",
-    "LocalDPSGD": "fedfdp.algorithms.clustered",
-    "OracleCDPFL": "fedfdp.algorithms.clustered",
+    "LocalDPSGD": "fedfdp.algorithms.cdpfl_baselines",
+    "OracleCDPFL": "fedfdp.algorithms.cdpfl_baselines",
     "IFCA": "fedfdp.algorithms.ifca",
     "KMCDPFL": "fedfdp.algorithms.kmcdpfl",
     "RCDPFL": "fedfdp.algorithms.rcdpfl",

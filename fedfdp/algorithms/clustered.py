@@ -21,8 +21,8 @@
   the accountant's δ (:mod:`fedfdp.privacy.schedule`). The schedule is round-dependent, so
   :meth:`planned_dp_events` returns the events of the round configured last.
 
-Subclasses in this module: :class:`OracleCDPFL` (true clusters known) and :class:`LocalDPSGD`
-(one model per client); RC-DPFL, IFCA and KM-CDPFL live in their own modules.
+Its subclasses live in their own modules: RC-DPFL, IFCA, KM-CDPFL, and the oracle and local
+baselines (:mod:`fedfdp.algorithms.cdpfl_baselines`).
 """
 
 from __future__ import annotations
@@ -373,36 +373,3 @@ class ClusteredDPFL(Algorithm):
         self.cluster_models = state["cluster_models"].clone()
         self.assignment = np.asarray(state["assignment"], dtype=np.int64)
 
-
-class OracleCDPFL(ClusteredDPFL):
-    """O-CDPFL: the true clusters are known from round 1; DPFedAvg inside each (spec §6.4).
-
-    The datamodule must expose ``client_cluster`` (e.g. :class:`datamodules.ClusteredDataModule`);
-    ``num_clusters`` must equal its number of clusters.
-    """
-
-    def initial_assignment(self, federation: Federation) -> np.ndarray:
-        """The true clusters ``s(i)``."""
-        truth = getattr(federation.datamodule, "client_cluster", None)
-        require(truth is not None, f"OracleCDPFL needs a datamodule with client_cluster, got "
-                                   f"{type(federation.datamodule).__name__}")
-        truth = np.asarray(truth, dtype=np.int64)
-        require(int(truth.max()) + 1 == self.num_clusters,
-                f"algorithm.num_clusters must equal the data's {int(truth.max()) + 1} clusters, got {self.num_clusters}")
-        return truth.copy()
-
-
-class LocalDPSGD(ClusteredDPFL):
-    """Local training: every client runs DP-SGD on its own model, no communication (spec §6.5).
-
-    ``num_clusters`` is ignored (one model per client).
-    """
-
-    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
-        """One copy of ``θ^init`` per client."""
-        self.num_clusters = federation.num_clients
-        return initial.unsqueeze(0).repeat(self.num_clusters, 1)
-
-    def initial_assignment(self, federation: Federation) -> np.ndarray:
-        """Client i owns model i."""
-        return np.arange(federation.num_clients, dtype=np.int64)
