@@ -111,6 +111,7 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--trials", "0"], "--trials must be >= 1"),
+    (["--trials", "2", "--jobs", "0"], "--jobs must be >= 1"),
     (["--trials", "2", "--objective", "accuracy"], "validation metrics only"),
     (["--trials", "2", "--objective", "val_accuracy*"], "--objective must be a sum"),
     (["--trials", "2", "--val-fraction", "0"], "--val-fraction must be in (0, 1)"),
@@ -177,6 +178,58 @@ def test_grid_sampler_refuses_a_continuous_distribution_naming_it(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err == "error: tune: search space: model.ema_decay: --sampler grid needs categorical choices, got type float"
     assert not (tmp_path / "study").exists()
+
+
+class FakeTrials:
+    """Stands in for ``run_trial`` (a fedfdp.fit subprocess): records how many trials overlap and
+    scores a trial by its values, failing the ones listed in ``fail``."""
+
+    def __init__(self, fail=()):
+        import threading
+
+        self.lock, self.active, self.peak, self.fail = threading.Lock(), 0, 0, set(fail)
+
+    def __call__(self, settings, number, overrides):
+        import time
+
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(0.05 * (1 + number % 3))  # trials end out of order
+        with self.lock:
+            self.active -= 1
+        if number in self.fail:
+            return None, {"error": f"trial {number} diverged"}
+        return float(overrides["model.algorithm.init_args.lr"]), {"run_dirs": [str(settings.run_dir(number, 0))]}
+
+
+@pytest.mark.parametrize("jobs", [2, 3])
+def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result(tmp_path, monkeypatch, jobs):
+    import fedfdp.experiments.tune as tune
+
+    def study_of(name, jobs, fake):
+        monkeypatch.setattr(tune, "run_trial", fake)
+        assert _tune(tmp_path / name, "--trials", "7", "--jobs", str(jobs)) == 0
+        return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / name / 'study.db'}")
+
+    sequential, fake = study_of("sequential", 1, FakeTrials(fail={4})), FakeTrials(fail={4})
+    parallel = study_of("parallel", jobs, fake)
+    assert fake.peak == jobs  # trials overlapped, never more than --jobs of them
+    assert [t.params for t in parallel.trials] == [t.params for t in sequential.trials]  # same draws, same order
+    assert [t.state.name for t in parallel.trials] == ["COMPLETE"] * 4 + ["FAIL"] + ["COMPLETE"] * 2
+    assert all(t.value == t.params["model.algorithm.init_args.lr"] for t in parallel.trials if t.value is not None)
+    best = json.loads((tmp_path / "parallel" / "best.json").read_text())
+    assert best["trial"] == parallel.best_trial.number and best["trials_finished"] == 6
+
+
+def test_parallel_study_stops_when_its_first_trials_all_fail(tmp_path, monkeypatch, capsys):
+    import fedfdp.experiments.tune as tune
+
+    monkeypatch.setattr(tune, "run_trial", FakeTrials(fail=set(range(10))))
+    assert _tune(tmp_path / "study", "--trials", "6", "--jobs", "3") == 2
+    assert "failed and the study has no finished trial" in capsys.readouterr().err
+    study = optuna.load_study(study_name="study", storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
+    assert len(study.trials) == 3  # no trial was started after the first failure
 
 
 def _history_mean(run_dir, key="val_accuracy", last=5):

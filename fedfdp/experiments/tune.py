@@ -4,7 +4,7 @@
 
     python -m fedfdp.experiments tune --config configs/fmnist.yaml --trials 30 [--study-dir DIR]
         [--seeds 0] [--val-fraction 0.1] [--objective val_accuracy] [--last 5] [--rounds R]
-        [--space SPACE.yaml] [--sampler tpe|grid] [--wandb MODE] [--dry-run]
+        [--space SPACE.yaml] [--sampler tpe|grid] [--jobs N] [--wandb MODE] [--dry-run]
 
 **Validation data only.** Every trial trains with ``--data.init_args.val_fraction V`` (default
 0.1): that fraction of each client's *training* split is held out (seeded by the partition seed;
@@ -38,6 +38,13 @@ checks live in :mod:`fedfdp.experiments.search_space`.
 (Optuna's GridSampler; the study stops when the grid is done): for a few expensive full-length
 trials, where TPE would spend some of them on points it has already run.
 
+**Parallel trials.** ``--jobs N`` runs up to N trials at a time, each its own ``fedfdp.fit``
+process (give each a share of the cores, e.g. ``OMP_NUM_THREADS``, or one GPU to several). The
+trials are still asked in trial order from one process, so the values they draw do not depend on
+N while TPE draws at random: its first 10 trials (Optuna's ``n_startup_trials``) draw from its
+seeded random stream without looking at results. After those, a trial asked while others run does
+not see their results; ``--jobs 1`` (the default) keeps the purely sequential study.
+
 **Rounds.** Without ``--rounds`` every trial runs the config's rounds: for the DP configs
 (``num_rounds: null``) as many as the privacy budget allows for the trial's sample rate and local
 steps (``callbacks.RDPAccounting`` plans them). ``--rounds R`` caps every trial at R rounds: a
@@ -69,6 +76,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +105,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     if not 0 < args.val_fraction < 1:
         raise TuneError(f"--val-fraction must be in (0, 1): trials score on data held out of the training "
                         f"splits, got {args.val_fraction}")
+    if args.jobs < 1:
+        raise TuneError(f"--jobs must be >= 1, got {args.jobs}")
     if args.last < 1:
         raise TuneError(f"--last must be >= 1, got {args.last}")
     if args.rounds is not None and args.rounds < 1:
@@ -240,13 +250,13 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args)
         if args.dry_run:
             return _dry_run(settings, args.trials, args.sampler_seed)
-        return _run_study(settings, args.trials, args.sampler_seed)
+        return _run_study(settings, args.trials, args.sampler_seed, args.jobs)
     except TuneError as err:
         message(f"error: tune: {err}")
         return 2
 
 
-def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
+def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int = 1) -> int:
     import optuna
     from optuna.trial import TrialState
 
@@ -271,9 +281,10 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
     logger.info("study %s in %s: %d finished trials, %d wanted%s", settings.study_name, settings.study_dir,
                 sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials), n_trials, shortened)
 
-    def finish(trial: optuna.trial.Trial, overrides: dict[str, Any]) -> None:
+    def record(trial: optuna.trial.Trial, result: tuple[float | None, dict[str, Any]]) -> None:
+        """Tell the study how a trial ended (in the main thread: the storage is never written concurrently)."""
+        value, notes = result
         number = trial.number
-        value, notes = run_trial(settings, number, overrides)
         for key, note in notes.items():
             trial.set_user_attr(key, note)
         if value is None:
@@ -286,19 +297,41 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int) -> int:
             study.tell(number, value)
             logger.info("trial %d: %s = %.6g", number, settings.objective, value)
 
-    for t in study.trials:  # interrupted trials first, in their own run directories
+    # interrupted trials first, in their own run directories, with their own values
+    queue: list[tuple[optuna.trial.Trial, dict[str, Any]]] = []
+    for t in study.trials:
         if t.state == TrialState.RUNNING:
             if "overrides" not in t.user_attrs:
                 study.tell(t.number, state=TrialState.FAIL)
                 continue
             logger.info("trial %d was interrupted: finishing it from its last checkpoint", t.number)
             # the running trial of the interrupted session, as a Trial of this one (Optuna has no public lookup)
-            finish(optuna.trial.Trial(study, t._trial_id), dict(t.user_attrs["overrides"]))  # noqa: SLF001
-    while sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials) < n_trials:
-        trial = study.ask()
+            queue.append((optuna.trial.Trial(study, t._trial_id), dict(t.user_attrs["overrides"])))  # noqa: SLF001
+    finished = sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials)
+
+    def next_trial() -> tuple[optuna.trial.Trial, dict[str, Any]] | None:
+        if queue:
+            return queue.pop(0)
+        if finished + len(running) >= n_trials:
+            return None
+        trial = study.ask()  # asked in trial order, in this thread (see --jobs)
         overrides = sample_overrides(trial, settings.space)
         trial.set_user_attr("overrides", overrides)
-        finish(trial, overrides)
+        return trial, overrides
+
+    # Each trial is a fedfdp.fit subprocess (run_trial); the threads only wait for them.
+    running: dict[Future[tuple[float | None, dict[str, Any]]], optuna.trial.Trial] = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        while True:
+            while len(running) < jobs and (item := next_trial()) is not None:
+                trial, overrides = item
+                running[pool.submit(run_trial, settings, trial.number, overrides)] = trial
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: running[f].number):
+                record(running.pop(future), future.result())
+                finished += 1
 
     info = write_best(settings, study)
     if info is None:
@@ -350,6 +383,8 @@ def register(subparsers: Any) -> None:
                         "categorical choices, in a seeded random order, none twice (default: tpe)")
     p.add_argument("--sampler-seed", "--sampler_seed", dest="sampler_seed", type=int, default=0,
                    help="seed of the sampler (default: 0)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="trials run at a time, each its own fedfdp.fit process (default: 1); see Parallel trials")
     p.add_argument("--wandb", default=None, choices=["auto", "online", "offline", "disabled"],
                    help="W&B mode of the trial runs (default: fedfdp.fit's)")
     add_dry_run(p)
