@@ -147,7 +147,7 @@ def troubled_run(secure, tmp_path_factory):
     killer = threading.Thread(target=kill_in_round_two, daemon=True)
     killer.start()
     result["run"] = secure.run_app(f"config='{CONFIGS['fedfdp']}' overrides='{OVERRIDES}' run-dir='{run_dir}' "
-                                   f"round-timeout=300.0 straggler-timeout=20.0")
+                                   f"round-timeout=300.0 straggler-timeout=45.0")
     killer.join(timeout=5)
     result["run_dir"] = run_dir
     return result

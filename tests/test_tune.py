@@ -182,12 +182,17 @@ def test_grid_sampler_refuses_a_continuous_distribution_naming_it(tmp_path, caps
 
 class FakeTrials:
     """Stands in for ``run_trial`` (a fedfdp.fit subprocess): records how many trials overlap and
-    scores a trial by its values, failing the ones listed in ``fail``."""
+    scores a trial by its values, failing the ones listed in ``fail``.
 
-    def __init__(self, fail=()):
+    The first ``jobs`` trials wait (up to 20 s) until ``jobs`` of them run at once, so a harness that
+    runs them concurrently shows it however slow the machine, and one that runs them one by one
+    keeps ``peak`` at 1."""
+
+    def __init__(self, fail=(), jobs=1):
         import threading
 
         self.lock, self.active, self.peak, self.fail = threading.Lock(), 0, 0, set(fail)
+        self.jobs, self.all_running = jobs, threading.Event()
 
     def __call__(self, settings, number, overrides):
         import time
@@ -195,7 +200,11 @@ class FakeTrials:
         with self.lock:
             self.active += 1
             self.peak = max(self.peak, self.active)
-        time.sleep(0.05 * (1 + number % 3))  # trials end out of order
+            if self.active >= self.jobs:
+                self.all_running.set()
+        if number < self.jobs:
+            self.all_running.wait(timeout=20)
+        time.sleep(0.01 * (number % 3))  # trials end out of order
         with self.lock:
             self.active -= 1
         if number in self.fail:
@@ -212,7 +221,7 @@ def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result
         assert _tune(tmp_path / name, "--trials", "7", "--jobs", str(jobs)) == 0
         return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / name / 'study.db'}")
 
-    sequential, fake = study_of("sequential", 1, FakeTrials(fail={4})), FakeTrials(fail={4})
+    sequential, fake = study_of("sequential", 1, FakeTrials(fail={4})), FakeTrials(fail={4}, jobs=jobs)
     parallel = study_of("parallel", jobs, fake)
     assert fake.peak == jobs  # trials overlapped, never more than --jobs of them
     assert [t.params for t in parallel.trials] == [t.params for t in sequential.trials]  # same draws, same order
@@ -225,7 +234,7 @@ def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result
 def test_parallel_study_stops_when_its_first_trials_all_fail(tmp_path, monkeypatch, capsys):
     import fedfdp.experiments.tune as tune
 
-    monkeypatch.setattr(tune, "run_trial", FakeTrials(fail=set(range(10))))
+    monkeypatch.setattr(tune, "run_trial", FakeTrials(fail=set(range(10)), jobs=3))
     assert _tune(tmp_path / "study", "--trials", "6", "--jobs", "3") == 2
     assert "failed and the study has no finished trial" in capsys.readouterr().err
     study = optuna.load_study(study_name="study", storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
