@@ -76,6 +76,7 @@ WINNER_ROWS = {
     "dpfedavg_prior": ("configs/fmnist_dpfedavg_prior.yaml", "issue23_fmnist10/dpfedavg_prior"),
     "ditto_dp_private": ("configs/tuned/fmnist_ditto_dp_private.yaml", "issue23_fmnist10/ditto_dp_private_tuned"),
     "fedfdp": ("configs/tuned/fmnist_fedfdp_8trials.yaml", "issue23_fmnist10/fedfdp_8trials"),
+    "local": ("configs/tuned/fmnist_local_8trials.yaml", "issue23_fmnist10/local_8trials"),
     "dpfedavg_finetune": ("configs/tuned/fmnist_dpfedavg_finetune_8trials.yaml", "issue23_fmnist10/dpfedavg_finetune_8trials"),
     **{f"{m}_scatter": (f"configs/tuned/fmnist_{m}_scatter.yaml", f"issue23_fmnist10/{m}_scatter_tuned")
        for m in ("local_dp", "dpfedavg", "dpfedavg_prior", "dpfedavg_finetune")},
