@@ -214,7 +214,7 @@ class FakeTrials:
 
 @pytest.mark.parametrize("jobs", [2, 3])
 def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result(tmp_path, monkeypatch, jobs):
-    import fedfdp.experiments.tune as tune
+    from fedfdp.experiments import tune
 
     def study_of(name, jobs, fake):
         monkeypatch.setattr(tune, "run_trial", fake)
@@ -232,7 +232,7 @@ def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result
 
 
 def test_parallel_study_stops_when_its_first_trials_all_fail(tmp_path, monkeypatch, capsys):
-    import fedfdp.experiments.tune as tune
+    from fedfdp.experiments import tune
 
     monkeypatch.setattr(tune, "run_trial", FakeTrials(fail=set(range(10)), jobs=3))
     assert _tune(tmp_path / "study", "--trials", "6", "--jobs", "3") == 2

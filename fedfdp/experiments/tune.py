@@ -308,6 +308,9 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
             # the running trial of the interrupted session, as a Trial of this one (Optuna has no public lookup)
             queue.append((optuna.trial.Trial(study, t._trial_id), dict(t.user_attrs["overrides"])))  # noqa: SLF001
     finished = sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials)
+    # Each trial is a fedfdp.fit subprocess (run_trial); the pool's threads only wait for them. Not
+    # Runner.run_all: it takes a fixed list, while a study asks each new trial when a slot frees.
+    running: dict[Future[tuple[float | None, dict[str, Any]]], optuna.trial.Trial] = {}
 
     def next_trial() -> tuple[optuna.trial.Trial, dict[str, Any]] | None:
         if queue:
@@ -319,8 +322,6 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
         trial.set_user_attr("overrides", overrides)
         return trial, overrides
 
-    # Each trial is a fedfdp.fit subprocess (run_trial); the threads only wait for them.
-    running: dict[Future[tuple[float | None, dict[str, Any]]], optuna.trial.Trial] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         while True:
             while len(running) < jobs and (item := next_trial()) is not None:
