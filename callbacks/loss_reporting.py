@@ -152,7 +152,7 @@ class NoisyLossReporting(LossReporting):
         denominator = batch_denominator(self.normalize_by, sample_rate=rate, dataset_size=data.size,
                                         realized=int(losses.shape[0]), constant=1.0)
         released = noisy_loss_release(losses, bound=bound, noise_multiplier=self.noise_multiplier,
-                                      denominator=denominator, generator=gen)
+                                      denominator=denominator, generator=gen, sample_rate=rate, kind=LOSS_RELEASE)
         update.reported_loss = released
         update.dp_events.extend(self.planned_dp_events(federation, data.client_id))
         update.diagnostics["loss_bound"] = bound

@@ -18,10 +18,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from fedfdp.privacy.mechanism import current_trace, stamp_model
 from fedfdp.privacy.per_sample import make_engine
-from fedfdp.privacy.release import add_gaussian_noise
+from fedfdp.privacy.release import gaussian_sum_release
 from fedfdp.privacy.validation import replace_batchnorm as replace_batchnorm_layers
-from fedfdp.types import LocalBatch, StepOutput
+from fedfdp.types import MODEL_RELEASE, LocalBatch, StepOutput
 
 
 _QUANTILES = torch.tensor([0.05, 0.5, 0.95])
@@ -67,8 +68,18 @@ class ClientModule(LightningModule):
         return [p for p in self.net.parameters() if p.requires_grad]
 
     def get_flat_params(self) -> Tensor:
-        """The local model as one detached vector."""
-        return parameters_to_vector(self.trainable_parameters()).detach().clone()
+        """The local model as one detached vector.
+
+        Read right after a private step, with nothing changed since, it is a model state the
+        mechanism released (:mod:`fedfdp.privacy.mechanism`): the only kind of ``params`` an
+        upload declared private may carry.
+        """
+        params = self.trainable_parameters()
+        flat = parameters_to_vector(params).detach().clone()
+        trace = current_trace()
+        if trace is not None:
+            trace.note_model_read(params, flat)
+        return flat
 
     def set_flat_params(self, flat: Tensor) -> None:
         """Load a flat parameter vector (e.g. the broadcast global model ``w_t``)."""
@@ -171,14 +182,23 @@ class ClientModule(LightningModule):
         algorithm's ``grad_transform``, and steps the local optimizer at ``batch.lr`` from the
         parameters currently loaded. ``losses``, ``norms`` and ``factors`` are the batch's
         per-sample ``ℓ_j``, ``‖g_j‖`` and ``s_j`` (diagnostics only).
+
+        This is the model release of the private mechanism: the noise is one recorded call of
+        :func:`~fedfdp.privacy.release.gaussian_sum_release` (σ = ``noise_std / C``, q =
+        ``batch.sample_rate``), and the parameters after the step are stamped as a released model
+        state (:mod:`fedfdp.privacy.mechanism`).
         """
-        assert batch.generator is not None
-        noisy = add_gaussian_noise(clipped_sum, batch.noise_std, batch.generator)
-        for param, grad in zip(self.trainable_parameters(), noisy):
+        assert batch.generator is not None and batch.clip_rule is not None
+        noisy = gaussian_sum_release(clipped_sum, noise_std=batch.noise_std, sensitivity=batch.clip_rule.max_grad_norm,
+                                     generator=batch.generator, kind=MODEL_RELEASE, sample_rate=batch.sample_rate,
+                                     sample=batch)
+        params = self.trainable_parameters()
+        for param, grad in zip(params, noisy):
             param.grad = grad.div_(batch.denominator)  # ``grad`` is a fresh tensor
         self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()
+        stamp_model(params)
         n = int(batch.y.shape[0])
         clipped = float((norms * factors.abs() < norms - 1e-12).float().mean()) if n else 0.0
         negative = float(getattr(batch.clip_rule, "last_negative_fraction", 0.0))

@@ -64,6 +64,10 @@ class LocalBatch:
     FedProx's ``μ(w − w_t)`` or SCAFFOLD's ``c − c_i``. Inside the per-sample loss they would be
     clipped away (style.md §4.2); here they are post-processing and cost no privacy.
 
+    ``sample_rate`` is the Poisson rate q the private batch was drawn at (1 for a full batch): the
+    private mechanism records it with the step, and an upload may charge only the (σ, q) its steps
+    had (:mod:`fedfdp.privacy.mechanism`). A private batch without it matches no charged event.
+
     ``physical_batch_size = P`` bounds the memory of a private step on a large logical batch (e.g.
     a full-batch step on all ``N_i`` records): the per-sample pass runs on consecutive chunks of at
     most ``P`` records and the chunks' clipped sums are added before the one noise draw (gradient
@@ -81,6 +85,7 @@ class LocalBatch:
     loss_scale: Callable[[Tensor], Tensor] | None = None
     grad_transform: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None
     physical_batch_size: int | None = None
+    sample_rate: float | None = None
 
 
 @dataclass

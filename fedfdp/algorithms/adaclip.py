@@ -98,9 +98,9 @@ from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound, split_noise_multiplier,
                                               unclipped_fraction_estimate)
-from fedfdp.privacy.release import NormalizeBy, batch_denominator
+from fedfdp.privacy.release import NormalizeBy, batch_denominator, noisy_count_release
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask, randn
+from fedfdp.seeding import RandomSource, poisson_mask
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -267,15 +267,18 @@ class DPFedAvgAdaClip(DPFedAvg):
                                         realized=int(y.shape[0]), constant=self.normalize_constant)
         return LocalBatch(x=x, y=y, lr=self.lr / bound if self.normalized_clipping else self.lr,
                           clip_rule=CountingFlatClip(bound), noise_std=self.model_noise_multiplier * bound,
-                          denominator=denominator, generator=generator)
+                          denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def release_count(self, batch: LocalBatch, data: ClientData) -> float:
         """(A3): the centred count of the step just taken on ``batch``, noised with ``σ_b`` drawn from the
         step's generator (its draw after the step's model noise)."""
         rule, generator = batch.clip_rule, batch.generator
         assert isinstance(rule, CountingFlatClip) and generator is not None
-        noise = float(randn((), generator, dtype=torch.float64, device=data.y.device))
-        return (rule.unclipped - 0.5 * rule.size) + self.count_noise_std * noise
+        # sensitivity 1/2 (a record moves the centred count by 1/2): noise multiplier 2σ_b; on the
+        # step's own sample, so with ``split`` accounting the pair is one joint SGM(q, σ)
+        return noisy_count_release(rule.unclipped - 0.5 * rule.size, noise_std=self.count_noise_std, sensitivity=0.5,
+                                   generator=generator, device=data.y.device, kind=self._count_kind(),
+                                   sample_rate=self.sample_rate, sample=batch)
 
     def expected_count(self, dataset_size: int) -> float:
         """``q|D_i|``, the public divisor of (A4)."""

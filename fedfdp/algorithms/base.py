@@ -13,6 +13,7 @@ from torch import Tensor
 from fedfdp.aggregate import weighted_mean
 from fedfdp.errors import ConfigError
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec
@@ -100,8 +101,9 @@ class Algorithm:
                               f"callbacks.RDPAccounting")
         releases = {}
         for cid in range(federation.num_clients):
-            accountant.charge_release(federation, cid, self.fit_start_events(cid))
-            releases[cid] = self.fit_start_release(federation, cid)
+            events = self.fit_start_events(cid)
+            accountant.charge_release(federation, cid, events)
+            releases[cid] = checked_one_off_release(self, federation, cid, events)  # the mechanism's output only
         self.take_fit_start_releases(releases)
 
     def evaluation_logit_offsets(self) -> Tensor | None:

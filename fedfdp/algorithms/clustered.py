@@ -42,6 +42,7 @@ from fedfdp.algorithms.base import Algorithm
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.clipping import FlatClip
+from fedfdp.privacy.release import exponential_selection
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask
@@ -327,7 +328,7 @@ class ClusteredDPFL(Algorithm):
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
                           noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
                           denominator=q * data.size, generator=generator,
-                          physical_batch_size=self.physical_batch_size)
+                          physical_batch_size=self.physical_batch_size, sample_rate=q)
 
     @torch.no_grad()
     def _select(self, client: ClientModule, data: ClientData, generator: torch.Generator) -> int:
@@ -348,10 +349,9 @@ class ClusteredDPFL(Algorithm):
             accuracies.append(100.0 * correct / data.size)
         if self.selection == "loss":
             return int(np.argmin(losses))
-        scale = 2.0 * (100.0 / max(data.size - 1, 1)) / float(self.selection_epsilon)
-        u = torch.rand(len(accuracies), generator=generator, device=generator.device, dtype=torch.float64)
-        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
-        return int(torch.argmax(torch.tensor(accuracies, dtype=torch.float64, device=u.device) + scale * gumbel))
+        return exponential_selection(torch.tensor(accuracies, dtype=torch.float64),
+                                     sensitivity=100.0 / max(data.size - 1, 1), epsilon=float(self.selection_epsilon),
+                                     generator=generator, kind=SELECTION_RELEASE)
 
     # ---- state ----------------------------------------------------------------------------------
     def public_server_state(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from fedfdp.algorithms.finp_math import (LipschitzEstimator, ala_weights, curvat
                                          overfitting_rank, pca_distances, pca_weights)
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.release import NormalizeBy, add_gaussian_noise
+from fedfdp.privacy.release import NormalizeBy, gaussian_sum_release
 from fedfdp.privacy.sia_metrics import cov
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask, torch_generator
@@ -117,9 +117,13 @@ class _FinPMixin:
                                                  generator=gen), dtype=torch.float64)
         if isinstance(self, DPFedAvg):
             bound = self.curvature_bound
-            std = self.curvature_noise_multiplier * math.sqrt(2) * bound  # sensitivity of the 2-vector: √2 C_h
+            sensitivity = math.sqrt(2) * bound  # of the 2-vector: √2 C_h
+            std = self.curvature_noise_multiplier * math.sqrt(2) * bound
             # noise from the client's source on its device; the 2-vector stays on the host
-            stats = add_gaussian_noise([stats.clamp(0.0, bound).to(source.device)], std, source)[0].cpu()
+            stats = gaussian_sum_release([stats.clamp(0.0, bound).to(source.device)], noise_std=std,
+                                         sensitivity=sensitivity, generator=source, kind=CURVATURE_RELEASE,
+                                         sample_rate=min(1.0, self.curvature_samples / data.size),
+                                         sample=idx)[0].cpu()
         return stats
 
     def _curvature_events(self, size: int) -> list[tuple[str, DPEvent]]:

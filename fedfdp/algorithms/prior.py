@@ -34,7 +34,7 @@ from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import randn
+from fedfdp.privacy.release import noisy_histogram_release
 from fedfdp.types import LABEL_HISTOGRAM_RELEASE
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ class DPFedAvgPriorCorrection(DPFedAvg):
         classes = int(federation.datamodule.num_classes)
         _, y = federation.datamodule.client_train(client_id)
         exact = torch.bincount(y.long().cpu(), minlength=classes).double()
-        noise = randn((classes,), federation.generator("label_histogram", client_id), dtype=torch.float64)
-        return {"noisy_counts": exact + self.prior_noise_multiplier * noise.cpu()}
+        return {"noisy_counts": noisy_histogram_release(exact, noise_multiplier=self.prior_noise_multiplier,
+                                                        generator=federation.generator("label_histogram", client_id),
+                                                        kind=LABEL_HISTOGRAM_RELEASE)}
 
     def take_fit_start_releases(self, releases: dict[int, dict[str, Tensor]]) -> None:
         """Stack the clients' released histograms (rows by client id)."""

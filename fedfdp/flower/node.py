@@ -51,6 +51,7 @@ from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
 from fedfdp.flower.node_state import NodeStateFile
 from fedfdp.flower.protocol import ClientStateKey, NodeDescription
 from fedfdp.metrics import evaluate_clientwise
+from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.types import ClientUpdate, RoundContext
@@ -235,7 +236,7 @@ class NodeClient:
         if reason is not None:
             raise PrivacyBudgetError(reason)
         self.ledger.charge(fed.start_round, events, self.run)
-        return events, fed.algorithm.fit_start_release(fed, cid)
+        return events, checked_one_off_release(fed.algorithm, fed, cid, events)
 
     def evaluate(self, params: torch.Tensor, splits: tuple[str, ...], state_key: ClientStateKey | None = None,
                  server_state: dict[str, Any] | None = None, cache: Any = None) -> dict[str, tuple[float, float, float]]:

@@ -1,15 +1,23 @@
-"""Gaussian releases: noise on a clipped gradient sum, and FedFDP's clipped loss release.
+"""The private mechanism: every release a client makes is one call of a function here.
 
-Pure functions; the stateful pieces (per-client loss bounds, accountants) live in callbacks.
+Gaussian releases (noise on a clipped gradient sum, FedFDP's clipped loss release, a noisy count,
+a noisy histogram) and the exponential mechanism's cluster selection. Each release function
+records its call ``(kind, σ, q, sample)`` in the client's open trace
+(:mod:`fedfdp.privacy.mechanism`), so that the federation can check, before an upload leaves,
+that the DP events it charges are the releases that were made. :func:`add_gaussian_noise` is the
+bare noise draw they share; calling it directly releases nothing the federation will accept.
+The stateful pieces (per-client loss bounds, accountants) live in callbacks.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from fedfdp.privacy.mechanism import record_call
 from fedfdp.seeding import RandomSource, randn
 
 NormalizeBy = Literal["expected", "realized", "constant"]
@@ -34,6 +42,48 @@ def add_gaussian_noise(sums: list[Tensor], std: float, generator: RandomSource) 
         noisy.append(noise[offset:offset + s.numel()].view_as(s).mul_(std).add_(s))
         offset += s.numel()
     return noisy
+
+
+def gaussian_sum_release(sums: list[Tensor], *, noise_std: float, sensitivity: float, generator: RandomSource,
+                         kind: str, sample_rate: float | None, sample: object) -> list[Tensor]:
+    """The Gaussian mechanism on a clipped sum of sensitivity ``C``: ``Σ_j s_j g_j + N(0, std² I)``
+    (Eq. 12), recorded as one call of noise multiplier ``σ = std / C`` on the Poisson sample
+    ``sample`` drawn at rate ``sample_rate`` (None: not a Poisson sample the caller declared,
+    which no charged event matches)."""
+    record_call(kind, noise_std / sensitivity if sensitivity > 0 else math.inf, sample_rate, sample)
+    return add_gaussian_noise(sums, noise_std, generator)
+
+
+def noisy_count_release(count: float, *, noise_std: float, sensitivity: float, generator: RandomSource,
+                        device: torch.device, kind: str, sample_rate: float, sample: object) -> float:
+    """``count + N(0, std²)`` (one float64 draw of ``generator`` on ``device``), recorded as a call of
+    noise multiplier ``std / sensitivity`` on ``sample`` (e.g. the step's batch: with the step's
+    own kind, the pair is one joint mechanism; :func:`fedfdp.privacy.mechanism.joint_calls`)."""
+    record_call(kind, noise_std / sensitivity, sample_rate, sample)
+    noise = float(randn((), generator, dtype=torch.float64, device=device))
+    return count + noise_std * noise
+
+
+def noisy_histogram_release(counts: Tensor, *, noise_multiplier: float, generator: RandomSource,
+                            kind: str) -> Tensor:
+    """``h + σ_h N(0, I)`` on exact counts (sensitivity 1: one record changes one count by 1),
+    drawn from ``generator`` in float64 and returned on the counts' device; one unsampled call (q = 1)."""
+    noise = randn(tuple(counts.shape), generator, dtype=torch.float64)
+    released = counts + noise_multiplier * noise.to(counts.device)
+    record_call(kind, noise_multiplier, 1.0, object(), output=released)
+    return released
+
+
+def exponential_selection(scores: Tensor, *, sensitivity: float, epsilon: float, generator: torch.Generator,
+                          kind: str) -> int:
+    """Report-noisy-max with Gumbel noise of scale ``2Δu/ε``: the exponential mechanism at ε on
+    utilities of sensitivity ``Δu`` (McSherry & Talwar 2007). Recorded as its RDP-equivalent
+    unsampled Gaussian call, σ = 2/ε (:func:`fedfdp.privacy.schedule.selection_event`)."""
+    record_call(kind, 2.0 / epsilon, 1.0, object())
+    scale = 2.0 * sensitivity / epsilon
+    u = torch.rand(len(scores), generator=generator, device=generator.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16)))
+    return int(torch.argmax(scores.to(device=u.device, dtype=torch.float64) + scale * gumbel))
 
 
 def batch_denominator(mode: NormalizeBy, *, sample_rate: float, dataset_size: int,
@@ -63,15 +113,18 @@ def clipped_loss_sum(losses: Tensor, bound: float) -> Tensor:
 
 
 def noisy_loss_release(losses: Tensor, *, bound: float, noise_multiplier: float, denominator: float,
-                       generator: RandomSource) -> float:
+                       generator: RandomSource, sample_rate: float | None = None, kind: str = "loss") -> float:
     """FedFDP's private loss upload (J Eq. 14, Alg. 2 lines 16-19; spec §1.2 (b)).
 
     ``F̃_i = (Σ_j min(C_l, max(0, ℓ_j)) + N(0, (σ_l C_l)²)) / n``, one Poisson-sampled Gaussian
-    mechanism with sensitivity ``C_l`` and noise multiplier ``σ_l``.
+    mechanism with sensitivity ``C_l`` and noise multiplier ``σ_l`` on the sample ``losses`` was
+    computed on (drawn at rate ``sample_rate``).
     """
     total = clipped_loss_sum(losses, bound).double()
     noise = randn((), generator, dtype=torch.float64, device=losses.device)
-    return float((total + noise_multiplier * bound * noise) / denominator)
+    released = float((total + noise_multiplier * bound * noise) / denominator)
+    record_call(kind, noise_multiplier, sample_rate, losses, output=released)
+    return released
 
 
 def next_loss_bound(rule: LossClipRule, *, released: float, initial: float, scale: float = 1.0,
