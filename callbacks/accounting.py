@@ -7,7 +7,8 @@ release) are charged when the client's upload is final, before it leaves the cli
 reported ε is the maximum over clients.
 
 With a ``ledger_path`` (the command line sets ``<run_dir>/privacy_ledger.jsonl``) every charge
-is first appended and fsynced to that file (:mod:`fedfdp.privacy.ledger_file`), and the ledgers,
+is first appended to that file (:mod:`fedfdp.privacy.ledger_file`) and fsynced, with the round's
+other charges, before any upload leaves the process (``on_uploads_final``), and the ledgers,
 ε, the budget guard and the planned rounds always come from the file: a run resumed from any
 checkpoint, or restarted after a crash before its first checkpoint, keeps every release it made,
 and the rounds it replays are charged again.
@@ -61,7 +62,7 @@ class RDPAccounting(FederationCallback):
             PRVAccountant, Gopi et al. 2021: tighter, e.g. ε 3.23 instead of 3.52 for FedFDP's
             683 paper rounds). ε, the planned rounds and the budget guard all use it; with
             ``prv`` the RDP ε is logged beside it as ``epsilon_rdp``.
-        ledger_path: the durable privacy ledger (JSON lines, fsynced before each release leaves
+        ledger_path: the durable privacy ledger (JSON lines, fsynced before the round's releases leave
             its client); the command line sets ``<run_dir>/privacy_ledger.jsonl``. None keeps the
             ledgers in memory and in checkpoints only (library use, tests).
         allow_non_private: run releases whose guarantee does not hold (σ = 0, an unbounded clip
@@ -274,7 +275,8 @@ class RDPAccounting(FederationCallback):
 
     def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
         """Check that every field of the upload is private, then write its events to the ledger file
-        (fsynced) and charge them, before it leaves.
+        (fsynced with the round's others before any upload leaves, ``on_uploads_final``) and charge
+        them.
 
         Raises:
             PrivacyError: a field of the upload is not covered by a declared and charged release (it
@@ -290,9 +292,9 @@ class RDPAccounting(FederationCallback):
                                    f"released (declare it in the algorithm's upload_privacy, or set "
                                    f"RDPAccounting.allow_non_private: true for analysis)")
             self.unbounded = True
-        if self._file is not None:
+        if self._file is not None:  # written now, fsynced with the round's others (on_uploads_final)
             self._file.append([LedgerEntry(round=federation.current_round, client=update.client_id, kind=kind,
-                                           event=event) for kind, event in update.dp_events])
+                                           event=event) for kind, event in update.dp_events], sync=False)
         self._record(update.client_id, update.dp_events)
         self._charged.add(update.client_id)
         self._refresh((update.client_id,))
@@ -304,6 +306,11 @@ class RDPAccounting(FederationCallback):
                 f"round {federation.current_round + 1}: client {update.client_id}'s upload charges epsilon "
                 f"{spent:.4f}, over RDPAccounting.target_epsilon={self.target_epsilon} (more than the round's "
                 f"planned DP events); it was not released")
+
+    def on_uploads_final(self, trainer: Trainer, federation: Federation, updates: list[ClientUpdate]) -> None:
+        """fsync the ledger entries of this process's uploads of the round before any upload leaves it."""
+        if self._file is not None:
+            self._file.sync()
 
     def charge_release(self, federation: Federation, client_id: int, events: list[tuple[str, DPEvent]]) -> None:
         """Charge a release a client makes outside its uploads (once, e.g. a noisy label histogram

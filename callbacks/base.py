@@ -6,12 +6,14 @@ hooks that the federation loop calls in a fixed phase order each round::
 
     setup_federation (once, at start)
     on_round_start → (per client: local update → on_client_update → on_client_release)
-    → on_before_aggregate → aggregation → on_round_end → [evaluation → on_evaluate]
+    → on_uploads_final → on_before_aggregate → aggregation → on_round_end → [evaluation → on_evaluate]
 
 The order is set by the phases, not by the list order of ``trainer.callbacks``: every
 ``on_client_update`` (where releases are privatised) runs before that client's
-``on_client_release`` (where they are written to the durable privacy ledger), which runs before
-the upload leaves the client: before ``on_before_aggregate`` and before the server reads anything.
+``on_client_release`` (where they are written to the privacy ledger), and ``on_uploads_final``
+(where the ledger is made durable, one fsync for the round) runs before any upload leaves its
+process: before the uploads are exchanged, before ``on_before_aggregate`` and before the server
+reads anything.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class FederationCallback(Callback):
 
         Runs on the process that trained the client; the place to make releases durable.
         """
+
+    def on_uploads_final(self, trainer: Trainer, federation: Federation, updates: list[ClientUpdate]) -> None:
+        """Called once this process's uploads of the round are released (``updates``: its own), before
+        any of them is exchanged with other processes or read by the server: the place to make
+        the round's releases durable."""
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:

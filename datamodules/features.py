@@ -66,9 +66,15 @@ class ScatteringFeatures:
             named by the sha256 of the raw images, their normalisation and ``J``, ``L`` (about 1.1
             GB for FashionMNIST), so the next run on the same data loads them instead of spending a
             minute recomputing them. ``None`` (the default): always compute.
+        group_norm: normalise every sample's features by a GroupNorm of this many groups without
+            parameters (Tramèr & Boneh's "group normalisation", 27 for K = 81), once, here, instead
+            of in every forward pass of the model (``fedfdp.models.ScatterLinear(groups=None)``):
+            the same per-sample function, data-independent, so still no privacy cost. ``None``
+            (the default): the features as the transform gives them.
     """
 
-    def __init__(self, J: int = 2, L: int = 8, batch_size: int = 1024, cache_dir: str | None = None) -> None:
+    def __init__(self, J: int = 2, L: int = 8, batch_size: int = 1024, cache_dir: str | None = None,
+                 group_norm: int | None = None) -> None:
         check_fields(
             **{
                 "features.J": (J, is_int(J, 1), "an integer >= 1"),
@@ -78,8 +84,11 @@ class ScatteringFeatures:
                                        "null or a non-empty path"),
             }
         )
+        check_fields(**{"features.group_norm": (group_norm, group_norm is None or is_int(group_norm, 1),
+                                                "null or an integer >= 1 dividing the feature channels")})
         self.J, self.L, self.batch_size = int(J), int(L), int(batch_size)
         self.cache_dir = cache_dir
+        self.group_norm = None if group_norm is None else int(group_norm)
 
     @property
     def channels_per_input_channel(self) -> int:
@@ -98,7 +107,10 @@ class ScatteringFeatures:
 
     def describe(self) -> dict[str, object]:
         """The settings that determine the features (part of the data fingerprint)."""
-        return {"name": "scattering", "J": self.J, "L": self.L}
+        described: dict[str, object] = {"name": "scattering", "J": self.J, "L": self.L}
+        if self.group_norm is not None:  # absent when off: earlier fingerprints and caches stay valid
+            described["group_norm"] = self.group_norm
+        return described
 
     def extract(self, raw: np.ndarray, normalize: Callable[[Tensor], Tensor], normalization: str) -> Tensor:
         """Features of a whole dataset of raw images ``(N, C, H, W)``, normalised slice by slice.
@@ -148,13 +160,19 @@ class ScatteringFeatures:
             raise DataError(f"data.features: images must be (N, C, H, W), got {tuple(images.shape)}")
         n, c, h, w = images.shape
         out_shape = self.output_shape((c, h, w))
+        if self.group_norm is not None and out_shape[0] % self.group_norm:
+            raise ConfigError(f"data.features.group_norm must divide the {out_shape[0]} feature channels, "
+                              f"got {self.group_norm}")
         transform = _scattering_class()(J=self.J, shape=(h, w), L=self.L)
         out = torch.empty((n, *out_shape), dtype=torch.float32)
         start = time.perf_counter()
         for lo in range(0, n, self.batch_size):
             batch = images[lo:lo + self.batch_size].to(torch.float32)
             # kymatio returns (B, C, K, H', W'); channels of one input channel stay adjacent
-            out[lo:lo + len(batch)] = transform(batch).reshape(len(batch), *out_shape)
+            features = transform(batch).reshape(len(batch), *out_shape)
+            if self.group_norm is not None:  # exactly the model's nn.GroupNorm(groups, K, affine=False)
+                features = torch.nn.functional.group_norm(features, self.group_norm)
+            out[lo:lo + len(batch)] = features
         logger.info("scattering features (J=%d, L=%d) of %d images: %s in %.1f s",
                     self.J, self.L, n, out_shape, time.perf_counter() - start)
         return out

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from datamodules.shared import shared_setup
 from datamodules.partition import (
     dirichlet_partition,
     iid_partition,
@@ -155,9 +156,15 @@ class FederatedDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
-        """Load, partition, split and normalise the data once (later calls do nothing)."""
+        """Load, partition, split and normalise the data once (in a sweep, shared: :mod:`datamodules.shared`)."""
         if self._store is not None:
             return
+        shared_setup(self, self._setup)
+        if self._pending_state is not None:
+            pending, self._pending_state = self._pending_state, None
+            self.load_state_dict(pending)
+
+    def _setup(self) -> None:  # noqa: D401 - the work of setup
         x, y = self._merged_arrays()
         if self.features is not None:  # the model's input: float32 features of the normalised images
             x = self.features.extract(x, self.normalize, f"mean={self.mean} std={self.std}").numpy()
@@ -188,9 +195,6 @@ class FederatedDataModule(L.LightningDataModule):
             f"; validation sizes {self.val_sizes.tolist()} (held out of the training splits)" if self._val_indices
             else "",
         )
-        if self._pending_state is not None:
-            pending, self._pending_state = self._pending_state, None
-            self.load_state_dict(pending)
 
     def _hold_out_validation(self) -> None:
         """Move ``val_fraction`` of every client's training indices in ``_indices`` to ``_val_indices``.
@@ -285,12 +289,12 @@ class FederatedDataModule(L.LightningDataModule):
         """Whether a validation split is held out of the training splits (``val_fraction > 0``, after setup)."""
         return self._val_store is not None
 
-    def _client(self, which: int, cid: int) -> Split:
+    def _client(self, which: int, cid: int, device: torch.device | None = None) -> Split:
         """Client ``cid``'s train (0), test (1) or validation (2) split after range-checking ``cid``."""
         splits = self._split(which)
         if not is_int(cid, 0) or cid >= self.num_clients:
             raise IndexError(f"client id must be in [0, {self.num_clients}), got {cid!r}")
-        return splits.client(cid)
+        return splits.client(cid) if device is None else splits.client_on(cid, device)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -301,16 +305,12 @@ class FederatedDataModule(L.LightningDataModule):
         return (int(shape[0]), int(shape[1]), int(shape[2]))
 
     def train_dataloader(self) -> Any:
-        """Federated training iterates over rounds, not samples: the federation module supplies them.
-
-        Lightning asks an attached datamodule first; the clients' data is read by the federation
-        through :meth:`client_train` instead.
-        """
+        """The federation's rounds (Lightning asks the datamodule first; clients read :meth:`client_train`)."""
         return self.trainer.lightning_module.train_dataloader()
 
-    def client_train(self, cid: int) -> Split:
-        """Client ``cid``'s training split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""
-        return self._client(0, cid)
+    def client_train(self, cid: int, device: torch.device | None = None) -> Split:
+        """Client ``cid``'s training split: x float32 ``(n, C, H, W)``, y int64 ``(n,)`` (on ``device``: kept there)."""
+        return self._client(0, cid, device)
 
     def client_test(self, cid: int) -> Split:
         """Client ``cid``'s test split: x float32 ``(n, C, H, W)``, y int64 ``(n,)``."""

@@ -31,6 +31,7 @@ class ClientSplits:
 
     def __init__(self, x: Tensor, y: Tensor, sizes: np.ndarray, normalize: Callable[[Tensor], Tensor]) -> None:
         self.x, self.y, self.normalize = x, y, normalize
+        self._on_device: dict[tuple[int, str], Split] = {}
         self.offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
         if self.offsets[-1] != len(y) or len(x) != len(y):
             raise DataError(f"client sizes sum to {self.offsets[-1]} but there are {len(x)} samples and "
@@ -53,6 +54,17 @@ class ClientSplits:
         """Client ``cid``'s normalised ``(x, y)``."""
         start, stop = int(self.offsets[cid]), int(self.offsets[cid + 1])
         return self.normalize(self.x[start:stop]), self.y[start:stop]
+
+    def client_on(self, cid: int, device: torch.device) -> Split:
+        """Client ``cid``'s normalised ``(x, y)`` on ``device``: on the CPU as :meth:`client`; on an
+        accelerator copied there once and kept (resident data: no host-to-device copy per round)."""
+        if torch.device(device).type == "cpu":
+            return self.client(cid)
+        key = (cid, str(device))
+        if key not in self._on_device:
+            x, y = self.client(cid)
+            self._on_device[key] = (x.to(device), y.to(device))
+        return self._on_device[key]
 
     def client_ids(self) -> Tensor:
         """The int64 client id of every sample."""

@@ -33,10 +33,12 @@ from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.evaluation import TRAIN_EVAL_EVERY, FederationEvaluation
-from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
+from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.memory import TRIM_EVERY, release_freed_memory
 from fedfdp.metrics import EvaluationResult, eval_batch_size
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.mechanism import current_trace, tracing, verify_upload
+from fedfdp.privacy.uploads import POST_PROCESSING, declared_upload_privacy
 from fedfdp.seeding import RandomSource, make_generator, numpy_generator
 from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
@@ -148,6 +150,7 @@ class Federation(FederationEvaluation, LightningModule):
         self._round_seconds: list[float] = []
         self.budget_limited = False  # the privacy budget (a callback's limit), not num_rounds, sets the rounds
         self.stop_signal: int | None = None  # the signal that stopped the run early (callbacks.GracefulInterrupt)
+        self._declared_uploads: dict[str, str | None] | None = None  # upload field -> how it is private
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,8 +256,11 @@ class Federation(FederationEvaluation, LightningModule):
         return DataLoader(_Rounds(self.total_rounds), batch_size=None, shuffle=False)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the algorithm's server state and the last evaluation."""
+        """Store the algorithm's server state; save the loggers, so ``metrics.csv`` holds every round
+        the checkpoint holds (a resume replays only the rounds after it)."""
         checkpoint["fedfdp"] = {"algorithm": self.algorithm.state_dict(), "total_rounds": self.total_rounds}
+        for lg in self.loggers:
+            lg.save()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the algorithm's server state and note the checkpoint's round."""
@@ -323,7 +329,7 @@ class Federation(FederationEvaluation, LightningModule):
 
     def client_data(self, client_id: int) -> ClientData:
         """Client ``client_id``'s training split on this module's device."""
-        x, y = self.datamodule.client_train(client_id)
+        x, y = self.datamodule.client_train(client_id, self.device)
         return ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device))
 
     def generator(self, *keys: int | str) -> RandomSource:
@@ -336,9 +342,41 @@ class Federation(FederationEvaluation, LightningModule):
 
     def release_client_update(self, data: ClientData, update: ClientUpdate) -> None:
         """A client's upload is done: ``on_client_update`` with its local model still loaded in
-        ``self.client``, then ``on_client_release`` (charged, and on disk, before the upload leaves)."""
+        ``self.client``; the proof that its charges and private fields came out of the mechanism
+        (:meth:`check_mechanism`); then ``on_client_release`` (charged, and on disk, before the
+        upload leaves)."""
         self._call("on_client_update", self.client, data, update)
+        self.check_mechanism(update)
         self._call("on_client_release", update)
+
+    def check_mechanism(self, update: ClientUpdate) -> None:
+        """Refuse an upload whose charged DP events or private fields the mechanism did not produce.
+
+        Runs inside the client's trace (:func:`fedfdp.privacy.mechanism.tracing`, opened around its
+        local update), before anything is written or leaves. Only a run with an accountant claims
+        privacy; with ``allow_non_private`` a mismatch makes ε infinite instead of stopping the run.
+
+        Raises:
+            PrivacyError: the upload charges releases the mechanism did not make, makes releases it
+                does not charge, or carries a private field that is not a mechanism output.
+        """
+        accountant = self.accountant
+        if accountant is None:
+            return
+        if self._declared_uploads is None:
+            self._declared_uploads = declared_upload_privacy(self)
+        trace = current_trace()
+        problems = (["was not made inside a traced local update (Federation.train_client or a stacked round)"]
+                    if trace is None or trace.client_id != update.client_id else
+                    verify_upload(update, trace, self._declared_uploads, POST_PROCESSING))
+        if not problems:
+            return
+        message = (f"round {self.current_round + 1}: client {update.client_id}'s upload {problems[0]}; it was not "
+                   f"released")
+        if not getattr(accountant, "allow_non_private", False):
+            raise PrivacyError(message)
+        logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", message)
+        accountant.unbounded = True
 
     def train_client(self, client_id: int, context: RoundContext, global_params: torch.Tensor) -> ClientUpdate:
         """One client's local update from ``global_params`` and its release (charged before it returns).
@@ -347,11 +385,12 @@ class Federation(FederationEvaluation, LightningModule):
         ``on_client_release`` run before the upload is returned. A Flower ClientApp runs exactly
         this on its node (:mod:`fedfdp.flower.node`).
         """
-        self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
-        data = self.client_data(client_id)
-        generator = self.generator("client", self.current_round, client_id)
-        update = self.algorithm.local_update(self.client, data, context, generator)
-        self.release_client_update(data, update)
+        with tracing(client_id):
+            self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
+            data = self.client_data(client_id)
+            generator = self.generator("client", self.current_round, client_id)
+            update = self.algorithm.local_update(self.client, data, context, generator)
+            self.release_client_update(data, update)
         return update
 
     def train_clients(self, context: RoundContext, client_ids: list[int],
@@ -367,10 +406,11 @@ class Federation(FederationEvaluation, LightningModule):
         stacked = self._stacked.plan(self, context) if self.stacked_round else None
         local: list[ClientUpdate] = []
         if stacked is not None:  # one engine pass over the union of the clients' batches (one process)
-            local = self._stacked.run(self, stacked, client_ids, global_params)
+            local = self._stacked.run(self, stacked, client_ids, global_params, context)
         else:
             for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
                 local.append(self.train_client(cid, context, global_params))
+        self._call("on_uploads_final", local)  # the releases are durable before any upload leaves this process
         # one exchange per round; afterwards every process holds every upload in client order and
         # runs the same accounting, aggregation and server step
         order = {cid: k for k, cid in enumerate(client_ids)}
@@ -414,16 +454,25 @@ class Federation(FederationEvaluation, LightningModule):
         self._call("on_round_end", context, updates, metrics)
         self._round_seconds.append(time.perf_counter() - start)
         metrics["round_seconds"] = self._round_seconds[-1]
-        for key, value in metrics.items():
-            self.log(key, float(value), prog_bar=key == "epsilon", on_step=True, on_epoch=False)
+        self._log_round({key: float(value) for key, value in metrics.items()}, round_idx, shown="epsilon")
         rounds_done = round_idx + 1
         if rounds_done % self.eval_every == 0 or rounds_done >= self.total_rounds:
             evaluation = {k: float(v) for k, v in self.evaluate(rounds_done).items()}
-            # Straight to the loggers: Lightning's self.log would repeat these values on every later
-            # round until the next evaluation. The progress bar shows the latest accuracy.
-            for lg in self.loggers:
-                lg.log_metrics(evaluation, step=round_idx)
-            self.log("accuracy", evaluation["accuracy"], prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            self._log_round(evaluation, round_idx, shown="accuracy")
+
+    def _log_round(self, metrics: dict[str, float], round_idx: int, shown: str) -> None:
+        """Log ``metrics`` as round ``round_idx``'s row (``metrics.csv``, W&B); show ``shown`` on the bar.
+
+        Straight to the loggers, not through ``self.log``: Lightning's result collection costs about
+        a millisecond per metric and round (as much as a small model's round), and would repeat
+        evaluation metrics on every later round until the next evaluation. The loggers are saved
+        with every checkpoint (:meth:`on_save_checkpoint`) and when fitting ends.
+        """
+        row = {**metrics, "epoch": float(self.current_epoch)}
+        for lg in self.loggers:
+            lg.log_metrics(row, step=round_idx)
+        if shown in metrics and self.trainer.progress_bar_callback is not None:
+            self.log(shown, metrics[shown], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     @property
     def round_seconds(self) -> list[float]:

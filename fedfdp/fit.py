@@ -28,7 +28,7 @@ from fedfdp.cli.log_setup import configure_logging
 from fedfdp.cli.loggers import finish_wandb
 from fedfdp.errors import DivergenceError
 
-__all__ = ["EXIT_DIVERGED", "main"]
+__all__ = ["EXIT_DIVERGED", "fit_run", "main", "report_error"]
 
 #: Exit status of a run whose training diverged (non-finite model or loss).
 EXIT_DIVERGED = 3
@@ -49,9 +49,21 @@ def main(args: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     cli: FedFDPCLI | None = None
-    failed = True
     try:
         cli = build_cli(args)
+    except Exception as err:
+        return report_error(err)
+    return fit_run(cli)
+
+
+def fit_run(cli: FedFDPCLI, prefix: str = "") -> int:
+    """Fit the run that :func:`~fedfdp.cli.parser.build_cli` built; its exit status (see :func:`main`).
+
+    ``prefix`` starts every ``error:`` line (a sweep names the run). Used by :func:`main` and by
+    each run of a sweep (:mod:`fedfdp.sweep`).
+    """
+    failed = True
+    try:
         ckpt = cli.config.get("ckpt_path")
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
         failed = False
@@ -62,27 +74,34 @@ def main(args: list[str] | None = None) -> int:
         signum = getattr(getattr(cli, "model", None), "stop_signal", None)
         if signum is None:
             raise
-        print(f"error: interrupted by a second signal in round {cli.trainer.global_step + 1}, at once; resume with "
-              f"--ckpt_path last from the last checkpoint", file=sys.stderr)
+        print(f"{prefix}error: interrupted by a second signal in round {cli.trainer.global_step + 1}, at once; resume "
+              f"with --ckpt_path last from the last checkpoint", file=sys.stderr)
         return exit_status(signum)
     except Exception as err:
-        # jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data)
-        # in its own ValueError: report the FedFDPError inside, or the parse error, as one line.
-        cause = fedfdp_cause(err)
-        if cause is not None:
-            print(f"error: {one_line(str(cause))}", file=sys.stderr)
-            return EXIT_DIVERGED if isinstance(cause, DivergenceError) else 2
-        if type(err).__name__ == "ArgumentError":
-            print(f"error: {explain_parse_error(str(err))}", file=sys.stderr)
-            return 2
-        line = lightning_config_error(err)
-        if line is not None:
-            print(f"error: {line}", file=sys.stderr)
-            return 2
-        raise
+        return report_error(err, prefix)
     finally:
         finish_wandb(cli, failed)
     return 0
+
+
+def report_error(err: Exception, prefix: str = "") -> int:
+    """Print the one ``error:`` line of a user error and return its exit status; re-raise anything else.
+
+    jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data) in its
+    own ValueError: the FedFDPError inside, or the parse error, is reported as one line.
+    """
+    cause = fedfdp_cause(err)
+    if cause is not None:
+        print(f"{prefix}error: {one_line(str(cause))}", file=sys.stderr)
+        return EXIT_DIVERGED if isinstance(cause, DivergenceError) else 2
+    if type(err).__name__ == "ArgumentError":
+        print(f"{prefix}error: {explain_parse_error(str(err))}", file=sys.stderr)
+        return 2
+    line = lightning_config_error(err)
+    if line is not None:
+        print(f"{prefix}error: {line}", file=sys.stderr)
+        return 2
+    raise err
 
 
 if __name__ == "__main__":

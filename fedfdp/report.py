@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +172,18 @@ def privacy_claim(summary: dict[str, Any]) -> str:
     return "ε covers every release and every evaluated model"
 
 
+_PLOTTING = threading.Lock()
+"""matplotlib (pyplot's state, its text layout caches) is not thread-safe: the runs of a sweep
+(:mod:`fedfdp.sweep`) write their reports from their own threads, one at a time."""
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and ``plots/*.png`` for one run directory; returns the report path."""
-    run_dir = Path(run_dir)
+    with _PLOTTING:
+        return _write_report(Path(run_dir))
+
+
+def _write_report(run_dir: Path) -> Path:
     summary = _summary(run_dir)
     metrics = read_series(run_dir, summary)
     plots = run_dir / "plots"

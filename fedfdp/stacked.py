@@ -1,14 +1,16 @@
 """A stacked round: the one-step private updates of all sampled clients from one engine pass.
 
-When every sampled client starts from the global model ``w_t`` and takes exactly one private step
-(DP-FedAvg and FedFDP with ``local_steps = 1``, the paper's setting), client ``i``'s per-sample
-losses ``ℓ_j`` and gradient norms ``‖g_j‖`` depend only on ``w_t`` and its own Poisson batch
-``B_i``. The round's DP step then runs as one forward and one backward pass over the union
-``B = B_1 ‖ B_2 ‖ … ‖ B_K`` (clients contiguous, client ``k`` at rows ``[o_k, o_{k+1})``):
+When every sampled client takes exactly one private step from its start model (DP-FedAvg and
+FedFDP with ``local_steps = 1``, the paper's setting, from ``w_t``; local-only DP-SGD and the
+fine-tuning phase from each client's own model), client ``i``'s per-sample losses ``ℓ_j`` and
+gradient norms ``‖g_j‖`` depend only on its start model and its own Poisson batch ``B_i``. The
+round's DP step then runs as one forward and one backward pass over the union
+``B = B_1 ‖ B_2 ‖ … ‖ B_K`` (clients contiguous, client ``k`` at rows ``[o_k, o_{k+1})``; clients
+with different start models go through the grouped network, :mod:`fedfdp.privacy.grouped`):
 
 1. per client, in client order: the Poisson mask ``B_i`` is drawn from the client's own generator
    ``generator("client", t, i)`` (its first draw, as in the per-client path);
-2. one :meth:`~fedfdp.privacy.per_sample.GhostEngine.compute` on ``B`` at ``w_t`` gives every
+2. one :meth:`~fedfdp.privacy.per_sample.GhostEngine.compute` on ``B`` at the start models gives every
    ``ℓ_j`` and ``‖g_j‖``; client ``k``'s factors ``s_j = rule_k(ℓ_j, ‖g_j‖)`` come from its own
    clip rule on its slice, and its clipped sum ``S_k = Σ_{j ∈ [o_k, o_{k+1})} s_j g_j`` from
    :meth:`~fedfdp.privacy.per_sample.PerSampleResult.segment_weighted_sums` (one weighted sum's
@@ -45,6 +47,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from fedfdp.privacy.grouped import GroupedNetwork
+from fedfdp.privacy.mechanism import tracing
+from fedfdp.privacy.per_sample import PerSampleResult
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -59,20 +64,18 @@ def unstackable_reason(federation: Federation) -> str | None:
     """Why this federation's round must run client by client (None when it may be stacked).
 
     The stacked path replaces the algorithm's ``local_update`` and the client's ``training_step``
-    by their default pieces, so any override of those (or of the start model) must run as written.
+    by their default pieces, so any override of those must run as written (an algorithm with its
+    own ``local_update`` declares an equivalent stackable step itself, or none).
     """
-    from fedfdp.algorithms.base import Algorithm  # runtime import: the algorithms import this module
     from fedfdp.client import ClientModule
     from fedfdp.distributed import rank_and_world
     from fedfdp.privacy.per_sample import GhostEngine
 
-    client, algorithm = federation.client, federation.algorithm
+    client = federation.client
     client_type = type(client)
     for name in ("training_step", "_private_step", "clipped_sum"):
         if getattr(client_type, name) is not getattr(ClientModule, name):
             return f"{client_type.__name__} overrides ClientModule.{name}"
-    if type(algorithm).client_start_params is not Algorithm.client_start_params:
-        return f"{type(algorithm).__name__} starts clients from their own models (client_start_params)"
     if rank_and_world()[1] > 1:
         return "several processes train the clients"
     if not isinstance(client.engine, GhostEngine):
@@ -91,6 +94,13 @@ of about this size."""
 _ACCELERATOR_MAX_BATCH = 16384
 """The same on accelerators, where one pass over the union is the point (fewer, larger kernels);
 it only bounds the memory of the activations."""
+
+
+def _union(batches: list[LocalBatch]) -> tuple[Tensor, Tensor]:
+    """The clients' batches one after another (one client's batch as it is: no copy)."""
+    if len(batches) == 1:
+        return batches[0].x, batches[0].y
+    return torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches])
 
 
 def group_clients(batch_sizes: list[float], max_batch: int) -> list[range]:
@@ -123,6 +133,7 @@ class StackedRound:
     def __init__(self, max_batch: int | None = None) -> None:
         self.max_batch = max_batch
         self._logged: set[str] = set()
+        self._grouped: GroupedNetwork | None = None  # built once, at the first round with several start models
 
     def plan(self, federation: Federation, context: RoundContext) -> StackedStepSpec | None:
         """The algorithm's stackable step for this round, or None (per-client path; reason logged once)."""
@@ -139,20 +150,44 @@ class StackedRound:
         return spec
 
     def run(self, federation: Federation, spec: StackedStepSpec, client_ids: list[int],
-            global_params: Tensor) -> list[ClientUpdate]:
-        """The round's uploads of ``client_ids`` (in that order), each released through the callbacks."""
+            global_params: Tensor, context: RoundContext) -> list[ClientUpdate]:
+        """The round's uploads of ``client_ids`` (in that order), each released through the callbacks.
+
+        Each client starts from ``algorithm.client_start_params`` (``w_t`` by default).
+        """
         sizes = federation.datamodule.train_sizes
         expected = [spec.sample_rate * int(sizes[cid]) for cid in client_ids]
+        starts = [federation.algorithm.client_start_params(cid, global_params, context) for cid in client_ids]
         max_batch = self.max_batch or (_CPU_MAX_BATCH if federation.device.type == "cpu" else _ACCELERATOR_MAX_BATCH)
         updates: list[ClientUpdate] = []
         for group in group_clients(expected, max_batch):
-            updates.extend(self._run_group(federation, spec, [client_ids[k] for k in group], global_params))
+            updates.extend(self._run_group(federation, spec, [client_ids[k] for k in group],
+                                           [starts[k] for k in group]))
         return updates
 
-    @staticmethod
-    def _run_group(federation: Federation, spec: StackedStepSpec, client_ids: list[int],
-                   global_params: Tensor) -> list[ClientUpdate]:
-        """One engine pass at ``w_t`` over the group's batches, then each client's step and release in order."""
+    def _compute(self, federation: Federation, starts: list[Tensor], batches: list[LocalBatch]) -> PerSampleResult:
+        """One engine pass over the clients' batches (concatenated in order), each at its start model.
+
+        Consecutive clients with the same start model (the same tensor) form one model group: one
+        group runs through the client's own engine, several through the grouped network.
+        """
+        x, y = _union(batches)
+        client = federation.client
+        bounds = [k for k in range(len(starts)) if k == 0 or starts[k] is not starts[k - 1]]
+        if len(bounds) == 1:
+            client.set_flat_params(starts[0])
+            return client.engine.compute(x, y)
+        if self._grouped is None:
+            self._grouped = GroupedNetwork(client.net, client.per_sample_loss)
+        self._grouped.to(federation.device)
+        ends = [*bounds[1:], len(starts)]
+        sizes = [sum(int(batches[k].y.shape[0]) for k in range(lo, hi)) for lo, hi in zip(bounds, ends)]
+        return self._grouped.compute(torch.stack([starts[k] for k in bounds]), sizes, x, y)
+
+    def _run_group(self, federation: Federation, spec: StackedStepSpec, client_ids: list[int],
+                   starts: list[Tensor]) -> list[ClientUpdate]:
+        """One engine pass at the start models over the group's batches, then each client's step and
+        release in order."""
         client = federation.client
         round_idx = federation.current_round
         data = [federation.client_data(cid) for cid in client_ids]
@@ -161,8 +196,7 @@ class StackedRound:
         if any(b.clip_rule is None or b.generator is None for b in batches):
             raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
         offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
-        client.set_flat_params(global_params)
-        result = client.engine.compute(torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches]))
+        result = self._compute(federation, starts, batches)
         losses, norms = result.losses, result.norms
         segments = list(zip(offsets, offsets[1:]))
         # each client's own clip rule on its whole batch (and its diagnostics, e.g. the negative fraction)
@@ -172,11 +206,12 @@ class StackedRound:
         del result  # the per-sample buffers are not needed any more
         updates = []
         for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
-            client.set_flat_params(global_params)
             clipped_sum, sums[k] = sums[k], None
             assert clipped_sum is not None
-            output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
-            update = spec.update(client, data[k], output)
-            federation.release_client_update(data[k], update)
+            with tracing(client_ids[k]):  # the client's mechanism calls and release, checked before it leaves
+                client.set_flat_params(starts[k])
+                output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
+                update = spec.update(client, data[k], output)
+                federation.release_client_update(data[k], update)
             updates.append(update)
         return updates

@@ -128,3 +128,20 @@ def test_cache_returns_the_features_it_stored_and_recovers_from_a_bad_file(tmp_p
     files[0].write_bytes(b"not a tensor")
     assert torch.equal(features.extract(raw, normalize, "test"), computed)
     assert "unreadable" in caplog.text
+
+
+@pytest.mark.parametrize("make_net", [ScatterLinear, ScatterCNN])
+def test_normalising_at_extraction_is_the_models_group_norm(make_net):
+    """``ScatteringFeatures(group_norm=27)`` + ``groups=None`` is the model's own GroupNorm, computed once."""
+    torch.manual_seed(0)
+    images = torch.rand(6, 1, 28, 28)
+    raw = ScatteringFeatures()(images)
+    normalised = ScatteringFeatures(group_norm=27)(images)
+    inside = make_net(groups=27)
+    outside = make_net(groups=None)
+    outside.load_state_dict(inside.state_dict())
+    torch.testing.assert_close(outside(normalised), inside(raw), rtol=1e-5, atol=1e-6)
+    assert ScatteringFeatures(group_norm=27).describe()["group_norm"] == 27
+    assert "group_norm" not in ScatteringFeatures().describe()  # earlier fingerprints and caches unchanged
+    with pytest.raises(ConfigError, match="group_norm must divide the 81"):
+        ScatteringFeatures(group_norm=4)(images)

@@ -98,7 +98,9 @@ def test_dp_local_only_epsilon_and_rounds_are_dp_fedavgs():
 def test_privacy_flags():
     assert DPLocalOnly.evaluated_models_covered is True
     assert not LocalOnly.supports_distributed and not DPLocalOnly.supports_distributed
-    assert DPLocalOnly(**DP).stackable_step(RoundContext(0)) is None  # each client starts from its own model
+    # one private step from each client's own model: stacked through the grouped network (tests/test_stacked.py)
+    assert DPLocalOnly(**DP).stackable_step(RoundContext(0)) is not None
+    assert DPLocalOnly(**{**DP, "local_steps": 2}).stackable_step(RoundContext(0)) is None
 
 
 def test_resume_restores_the_clients_models_bitwise(tmp_path):

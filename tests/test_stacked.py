@@ -83,6 +83,39 @@ def test_stacked_round_equals_per_client_round(monkeypatch, algorithm, net_kind)
         assert any(diag["clipped_fraction"] > 0 for *_, diag in stacked[1].released)
 
 
+def _run_plain(algorithm_factory, net_kind: str, stacked: bool, rounds: int):
+    uploads, accountant = Uploads(), RDPAccounting()
+    fed, _ = run_federation(algorithm_factory(), [accountant, uploads], rounds=rounds, net=_net(net_kind),
+                            stacked_round=stacked)
+    return fed, uploads, accountant
+
+
+@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+@pytest.mark.parametrize("algorithm", ["local_dp", "finetune"])
+def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monkeypatch, algorithm, net_kind):
+    """Local-only DP-SGD and the fine-tuning phase start every client from its own model: one pass
+    through the grouped network, the same models, releases and ε as client by client."""
+    from fedfdp.algorithms import DPFedAvgFineTune, DPLocalOnly
+
+    factory = ((lambda: DPLocalOnly(**DP)) if algorithm == "local_dp"
+               else (lambda: DPFedAvgFineTune(finetune_fraction=0.5, finetune_lr=0.3, **DP)))
+    counter = CountStacked(monkeypatch)
+    stacked = _run_plain(factory, net_kind, stacked=True, rounds=4)
+    assert counter.rounds == 4
+    per_client = _run_plain(factory, net_kind, stacked=False, rounds=4)
+    (fed_s, up_s, acc_s), (fed_p, up_p, acc_p) = stacked, per_client
+    assert [(r, c, e) for r, c, e, _, _ in up_s.released] == [(r, c, e) for r, c, e, _, _ in up_p.released]
+    assert acc_s.epsilon() == acc_p.epsilon()
+    own_s, own_p = fed_s.algorithm.client_state, fed_p.algorithm.client_state
+    name = "local" if algorithm == "local_dp" else "finetuned"
+    for cid in range(3):
+        a, b = own_s.get(cid, name), own_p.get(cid, name)
+        assert a is not None and float((a - b).norm() / b.norm()) < 1e-5
+    for (_, _, _, _, diag_s), (_, _, _, _, diag_p) in zip(up_s.released, up_p.released):
+        assert diag_s["batch_size"] == diag_p["batch_size"]
+        assert math.isclose(diag_s["train_loss"], diag_p["train_loss"], rel_tol=1e-5, abs_tol=1e-6)
+
+
 @pytest.mark.parametrize("net_kind", ["mlp", "conv"])
 def test_stacked_round_with_empty_client_batches(monkeypatch, net_kind):
     """A client whose Poisson batch is empty still gets its noise (and a model that moved)."""
@@ -219,3 +252,5 @@ def test_segment_offsets_are_checked():
     result = engine.compute(torch.randn(4, 1, 8, 8), torch.randint(0, 4, (4,)))
     with pytest.raises(ValueError, match="offsets"):
         result.segment_weighted_sums(torch.ones(4), [0, 3, 2, 4])
+    with pytest.raises(ValueError, match="offsets"):
+        result.segment_weighted_sums(torch.ones(4), [0, 5])

@@ -97,7 +97,7 @@ class DPFedAvg(Algorithm):
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_std=self.noise_multiplier * self.max_grad_norm,
-                          denominator=denominator, generator=generator)
+                          denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
         """The upload after the local steps: the local model in ``client``, ``|D_i|``, the DP events and
@@ -115,9 +115,17 @@ class DPFedAvg(Algorithm):
                             dp_events=self.planned_dp_events(data.client_id, data.size), diagnostics=stats)
 
     def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """One private step per client from ``w_t``: stackable unless ``local_steps > 1`` or a subclass
-        (or mixin) replaces :meth:`local_update` (its own local update must then run)."""
-        if self.local_steps != 1 or type(self).local_update is not DPFedAvg.local_update:
+        """One private step per client from its start model: stackable unless ``local_steps > 1`` or a
+        subclass (or mixin) replaces :meth:`local_update` (its own local update must then run, unless it
+        declares its own equivalent step from :meth:`one_step_spec`)."""
+        if type(self).local_update is not DPFedAvg.local_update:
+            return None
+        return self.one_step_spec(context)
+
+    def one_step_spec(self, context: RoundContext) -> StackedStepSpec | None:
+        """:meth:`local_update` with ``local_steps = 1`` in the two halves of a stacked round (None for
+        several steps): the client's private batch and fresh clip rule, and :meth:`client_update`."""
+        if self.local_steps != 1:
             return None
         return StackedStepSpec(
             batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator),

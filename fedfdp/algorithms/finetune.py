@@ -32,7 +32,7 @@ from fedfdp.algorithms.client_state import ClientStateStore
 from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.errors import require
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
+from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
@@ -69,7 +69,6 @@ class DPFedAvgFineTune(DPFedAvg):
     #: Each evaluated model is the released global model (EMA), or that model followed by the
     #: client's own chain of charged DP-SGD steps.
     evaluated_models_covered: ClassVar[bool] = True
-    # Clients train one by one, not stacked (fedfdp.stacked): client_start_params is overridden.
 
     def __init__(self, *, finetune_fraction: float = 0.2, finetune_lr: float | None = None,
                  **dp_fedavg: Any) -> None:
@@ -147,6 +146,31 @@ class DPFedAvgFineTune(DPFedAvg):
         if finetuning:
             self.client_state.set(data.client_id, _MODEL, update.params.detach().clone())
         return update
+
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """:meth:`local_update` as one private step per client (``local_steps = 1``): the phase's learning
+        rate, and the result kept as ``v_i`` when fine-tuning; None for several steps or a subclass with
+        its own ``local_update``."""
+        if type(self).local_update is not DPFedAvgFineTune.local_update:
+            return None
+        spec = self.one_step_spec(context)
+        if spec is None:
+            return None
+        finetuning = _finetuning(context)
+        lr = self.finetune_lr if finetuning else self.lr
+
+        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
+            out = spec.batch(data, generator)
+            out.lr = lr
+            return out
+
+        def update(client: ClientModule, data: ClientData, output: StepOutput) -> ClientUpdate:
+            result = spec.update(client, data, output)
+            if finetuning:
+                self.client_state.set(data.client_id, _MODEL, result.params.detach().clone())
+            return result
+
+        return StackedStepSpec(batch=batch, update=update, sample_rate=spec.sample_rate)
 
     def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
         """DP-FedAvg's private batch at the phase's learning rate."""

@@ -26,6 +26,7 @@ The baseline every federated method must beat (issue 23): what a client gets by 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -37,7 +38,7 @@ from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.errors import require
 from fedfdp.privacy.release import NormalizeBy
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -82,6 +83,24 @@ class _LocalOnly:
         update = super().local_update(client, data, context, generator)  # type: ignore[misc]
         self.client_state.set(data.client_id, _MODEL, update.params.detach().clone())
         return update
+
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """The parent's one private step (DP-SGD, ``local_steps = 1``) from each client's own model, its
+        result kept as the new ``v_i``, as :meth:`local_update` does; None for the non-private parent,
+        several steps, or a subclass with its own ``local_update``."""
+        one_step = getattr(self, "one_step_spec", None)
+        if one_step is None or type(self).local_update is not _LocalOnly.local_update:
+            return None
+        spec = one_step(context)
+        if spec is None:
+            return None
+
+        def update(client: Any, data: ClientData, output: StepOutput) -> ClientUpdate:
+            result = spec.update(client, data, output)
+            self.client_state.set(data.client_id, _MODEL, result.params.detach().clone())
+            return result
+
+        return replace(spec, update=update)
 
     def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
         """Nothing is aggregated: ``w_t`` itself (a zero pseudo-gradient for the server optimizer)."""

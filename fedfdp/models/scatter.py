@@ -12,7 +12,11 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 
-def _group_norm(channels: int, groups: int) -> nn.GroupNorm:
+def _group_norm(channels: int, groups: int | None) -> nn.Module:
+    """The per-sample GroupNorm (no affine); ``None``: none here (the features were normalised when
+    they were extracted, ``ScatteringFeatures(group_norm=...)``: the same function, computed once)."""
+    if groups is None:
+        return nn.Identity()
     if channels % groups:
         raise ValueError(f"model groups must divide the {channels} feature channels, got {groups}")
     return nn.GroupNorm(groups, channels, affine=False)
@@ -25,10 +29,12 @@ class ScatterLinear(nn.Module):
         in_channels: feature channels K (81 for one grey channel at J = 2, L = 8).
         num_classes: number of output classes.
         image_size: feature map side H' = W' (7 for 28 × 28 images at J = 2).
-        groups: GroupNorm groups (must divide ``in_channels``; Tramèr & Boneh use 27 for K = 81).
+        groups: GroupNorm groups (must divide ``in_channels``; Tramèr & Boneh use 27 for K = 81);
+            ``None`` when the features arrive normalised (``ScatteringFeatures(group_norm=27)``).
     """
 
-    def __init__(self, in_channels: int = 81, num_classes: int = 10, image_size: int = 7, groups: int = 27) -> None:
+    def __init__(self, in_channels: int = 81, num_classes: int = 10, image_size: int = 7,
+                 groups: int | None = 27) -> None:
         super().__init__()
         self.norm = _group_norm(in_channels, groups)
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, num_classes))
@@ -48,12 +54,12 @@ class ScatterCNN(nn.Module):
         in_channels: feature channels K.
         num_classes: number of output classes.
         image_size: feature map side H' = W'.
-        groups: GroupNorm groups (must divide ``in_channels``).
+        groups: GroupNorm groups (must divide ``in_channels``; ``None``: features normalised at extraction).
         width: channels of the first convolution (the second has twice as many).
         hidden: width of the fully connected layer.
     """
 
-    def __init__(self, in_channels: int = 81, num_classes: int = 10, image_size: int = 7, groups: int = 27,
+    def __init__(self, in_channels: int = 81, num_classes: int = 10, image_size: int = 7, groups: int | None = 27,
                  width: int = 16, hidden: int = 32) -> None:
         super().__init__()
         side = image_size // 2 // 2

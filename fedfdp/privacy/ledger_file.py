@@ -1,13 +1,15 @@
-"""A crash-proof privacy ledger: one JSON line per release, appended and fsynced before it leaves.
+"""A crash-proof privacy ledger: one JSON line per release, fsynced before any upload leaves the process.
 
 The accountant's in-memory state (:class:`fedfdp.privacy.accounting.PrivacyLedger`) lives in
 model checkpoints, which are written every few rounds; a crash between two checkpoints would
 forget the releases made since the last one, and a resumed (or restarted) run would release
 them again uncounted. This file is the accountant's source of truth instead:
 
-* every DP event is appended (``write`` + ``flush`` + ``os.fsync``) *before* the client's
-  upload is handed to the server (:meth:`callbacks.RDPAccounting.on_client_release`), so what
-  the server can have seen is always on disk;
+* every DP event is appended (``write`` + ``flush``) when the client's upload is final
+  (:meth:`callbacks.RDPAccounting.on_client_release`) and made durable (``os.fsync``, once for
+  the round's uploads) *before* any upload leaves the process to be exchanged or aggregated
+  (:meth:`callbacks.RDPAccounting.on_uploads_final`), so what the server can have seen is always
+  on disk; a one-off release is fsynced at once;
 * a run (fresh, resumed from any checkpoint, or restarted without one) rebuilds its ledgers
   from the file, so rounds that are replayed after a crash are charged again, never forgotten.
 
@@ -83,6 +85,7 @@ class LedgerFile:
         self.own_path = self.path if rank == 0 else self.path.with_name(
             f"{self.path.stem}.rank{rank}{self.path.suffix}")
         self._handle: Any = None
+        self._unsynced = False
 
     def files(self) -> list[Path]:
         """Every rank's ledger file that exists (rank 0's first)."""
@@ -114,15 +117,24 @@ class LedgerFile:
                                "that release left the client): ignored", file)
         return entries
 
-    def append(self, entries: list[LedgerEntry]) -> None:
-        """Write ``entries`` and fsync them: they are on disk when this returns."""
+    def append(self, entries: list[LedgerEntry], *, sync: bool = True) -> None:
+        """Write ``entries``; with ``sync`` fsync them (they are on disk when this returns), else
+        they are written and :meth:`sync` makes them durable (one fsync for a round's releases)."""
         if not entries:
             return
         if self._handle is None:
             self._open()
         self._handle.write("".join(e.to_json() + "\n" for e in entries))
         self._handle.flush()
-        os.fsync(self._handle.fileno())
+        self._unsynced = True
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """Make every entry written so far durable (fsync; nothing to do when none is pending)."""
+        if self._handle is not None and self._unsynced:
+            os.fsync(self._handle.fileno())
+        self._unsynced = False
 
     def _open(self) -> None:
         self.own_path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,8 +147,9 @@ class LedgerFile:
         _fsync_dir(self.own_path.parent)
 
     def close(self) -> None:
-        """Close the file (appending again reopens it)."""
+        """Make the entries durable and close the file (appending again reopens it)."""
         if self._handle is not None:
+            self.sync()
             self._handle.close()
             self._handle = None
 

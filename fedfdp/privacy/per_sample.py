@@ -83,15 +83,17 @@ class PerSampleResult:
     def segment_weighted_sums(self, weights: Tensor, offsets: Sequence[int]) -> list[list[Tensor]]:
         """``Σ_{j ∈ [o_k, o_{k+1})} weights_j ∇_w ℓ_j`` for every segment ``k`` of contiguous samples.
 
-        ``offsets = [o_0 = 0, o_1, ..., o_K = B]`` (non-decreasing; an empty segment gets zeros).
-        Returns one list of per-parameter tensors per segment, each a fresh tensor. The engines
-        restrict every layer's weighted sum to each slice, so all ``K`` sums together cost one
-        weighted sum over the batch (a loop over segments, never over samples).
+        ``offsets = [o_0, o_1, ..., o_K]`` with ``0 ≤ o_0 ≤ … ≤ o_K ≤ B`` (usually ``o_0 = 0`` and
+        ``o_K = B``; a sweep's run takes its own rows of a larger pass); ``weights`` has all ``B``
+        rows, and an empty segment gets zeros. Returns one list of per-parameter tensors per
+        segment, each a fresh tensor. The engines restrict every layer's weighted sum to each
+        slice, so all ``K`` sums together cost one weighted sum over their rows (a loop over
+        segments, never over samples).
         """
         bounds = list(offsets)
-        if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != int(self.losses.shape[0]) or any(
+        if len(bounds) < 1 or bounds[0] < 0 or bounds[-1] > int(self.losses.shape[0]) or any(
                 lo > hi for lo, hi in zip(bounds, bounds[1:])):
-            raise ValueError(f"offsets must run from 0 to the batch size {int(self.losses.shape[0])} without "
+            raise ValueError(f"offsets must lie in [0, the batch size {int(self.losses.shape[0])}] without "
                              f"decreasing, got {bounds}")
         if self._segment_weighted_sums is not None:
             return self._segment_weighted_sums(weights, bounds)
@@ -261,8 +263,9 @@ def _layer_factors(module: nn.Module, a: Tensor, b: Tensor, conv_method: ConvMet
     b = b.reshape(batch, -1, b.shape[-1])
     sq_norms = _bias_sq_norms(module, b)
     if module.weight.requires_grad:
-        if a.shape[1] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖²
-            sq_norms = sq_norms + a.square().sum((1, 2)) * b.square().sum((1, 2))
+        if a.shape[1] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖² (one reduction each, no squared copy of a)
+            sq_norms = sq_norms + (torch.linalg.vector_norm(a.flatten(1), dim=1).square()
+                                   * torch.linalg.vector_norm(b.flatten(1), dim=1).square())
         else:  # ghost norm Σ_{p,p'} (a_p·a_p')(b_p·b_p')
             gram_a = torch.bmm(a, a.transpose(1, 2))
             gram_b = torch.bmm(b, b.transpose(1, 2))
