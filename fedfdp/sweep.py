@@ -194,12 +194,14 @@ class SweepRun:
         args: its ``fedfdp.fit`` arguments.
         status: its exit status once it ended (as ``fedfdp.fit``'s), None before.
         seconds: its wall time.
+        log: a file that receives the run's log records (its thread's), besides the process's log.
     """
 
     name: str
     args: list[str]
     status: int | None = None
     seconds: float = 0.0
+    log: Path | None = None
     cli: Any = field(default=None, repr=False)
 
 
@@ -314,6 +316,7 @@ def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int) -> 
             run.seconds = time.perf_counter() - start
             batcher.leave(member)
 
+    handlers = [_thread_log(run) for run in built if run.log is not None]
     threads = []
     for member, run in enumerate(built):
         batcher.join(member)
@@ -328,5 +331,18 @@ def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int) -> 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
     logger.info("sweep: %d runs, %d batched passes", len(built), batcher.passes)
     return max([status, *((r.status or 0) for r in built)])
+
+
+def _thread_log(run: SweepRun) -> logging.Handler:
+    """A handler writing the log records of ``run``'s thread (named after the run) to ``run.log``."""
+    assert run.log is not None
+    handler = logging.FileHandler(run.log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(lambda record: record.threadName == run.name)
+    logging.getLogger().addHandler(handler)
+    return handler

@@ -152,12 +152,15 @@ class Run:
 
 
 def plan_runs(table: str, datasets: Sequence[str], seeds: Sequence[int], out: Path, config_dir: Path,
-              methods: Sequence[str] | None = None) -> list[Run]:
-    """Every run of ``table`` on ``datasets`` and ``seeds`` (optionally only some methods)."""
+              methods: Sequence[str] | None = None, columns: Sequence[str] | None = None) -> list[Run]:
+    """Every run of ``table`` on ``datasets`` and ``seeds`` (optionally only some methods, and only
+    the columns whose label contains one of ``columns``, e.g. ``Dir(0.5)``)."""
     spec = TABLES[table]
     runs = []
     chosen = spec.methods if not methods else [m for name in methods for m in spec.methods if name in m]
     for column in spec.columns(datasets):
+        if columns and not any(part in column.label for part in columns):
+            continue
         for label, stem in chosen:  # in the order asked for (run order); tables keep the paper's order
             for seed in seeds:
                 runs.append(Run(table, label, stem, column, seed, config_path(config_dir, column.dataset, stem),
@@ -282,7 +285,7 @@ def run_table(args: argparse.Namespace) -> int:
     spec = TABLES[args.table]
     datasets = args.dataset or list(spec.default_datasets)
     out = Path(args.out)
-    runs = plan_runs(args.table, datasets, args.seeds, out, Path(args.config_dir), args.methods)
+    runs = plan_runs(args.table, datasets, args.seeds, out, Path(args.config_dir), args.methods, args.columns)
     todo = [r for r in runs if not r.done]
     logger.info("%s: %d runs, %d finished, %d to run", args.table, len(runs), len(runs) - len(todo), len(todo))
     missing = sorted({str(r.config) for r in todo if not r.config.exists()})
@@ -296,7 +299,14 @@ def run_table(args: argparse.Namespace) -> int:
     failed = 0
     if not args.aggregate_only and todo:
         specs = [r.spec(args.rounds, args.fit_args or []) for r in todo]
-        failed = sum(result.status == "failed" for result in runner(args.nice).run_all(specs, jobs=args.jobs))
+        if args.sweep:  # each method's runs together, one batched pass per round (fedfdp.sweep)
+            by_method: dict[str, list[RunSpec]] = {}
+            for run, run_spec in zip(todo, specs):
+                by_method.setdefault(run.stem, []).append(run_spec)
+            results = [result for group in by_method.values() for result in runner(args.nice).run_sweep(group)]
+        else:
+            results = list(runner(args.nice).run_all(specs, jobs=args.jobs))
+        failed = sum(result.status == "failed" for result in results)
     rows = collect(runs)
     if not rows:
         message(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "
@@ -319,8 +329,13 @@ def register(subparsers: Any) -> None:
                         help=f"datasets (none given: {' '.join(spec.default_datasets)})")
         add_list_option(p, "--seeds", item_type=int, default=[0, 1, 2, 3, 4], help="seeds")
         add_list_option(p, "--methods", default=None, help="only these methods (labels or config stems; none: all)")
+        add_list_option(p, "--columns", default=None,
+                        help="only the columns whose label contains one of these (e.g. 'Dir(0.5)' 'eps=1'; none: all)")
         p.add_argument("--rounds", type=int, default=None, help="cap every run at this many rounds (shortened variant)")
         p.add_argument("--jobs", type=int, default=1, help="parallel fit processes")
+        p.add_argument("--sweep", action="store_true",
+                       help="fit each method's runs together in this process (python -m fedfdp.experiments sweep's "
+                            "engine; methods it cannot batch are refused)")
         p.add_argument("--nice", type=int, default=0, help="niceness of the fit processes")
         p.add_argument("--out", default="runs/paper", help="output folder")
         p.add_argument("--config-dir", default="configs", help="folder of the per-dataset configs")

@@ -136,15 +136,7 @@ class Runner:
         if is_finished(summary):
             logger.info("skip %s (finished)", spec.run_dir)
             return RunResult(spec, "skipped", summary=summary)
-        if not resumable(spec.run_dir) and run_files(spec.run_dir):
-            stale = spec.run_dir.with_name(f"{spec.run_dir.name}.stale-{int(time.time())}")
-            spec.run_dir.rename(stale)
-            logger.warning("%s stopped before its first checkpoint: moved to %s, starting it again", spec.run_dir,
-                           stale)
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        if spec.make_config is not None:
-            spec.config.parent.mkdir(parents=True, exist_ok=True)
-            spec.config.write_text(yaml.safe_dump(dict(spec.make_config()), sort_keys=False))
+        self._prepare(spec)
         cmd = self.command(spec)
         logger.info("%s", " ".join(cmd))
         start = time.perf_counter()
@@ -178,6 +170,50 @@ class Runner:
                 yield future.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def run_sweep(self, specs: Iterable[RunSpec]) -> list[RunResult]:
+        """Fit the unfinished runs of ``specs`` together in this process (:mod:`fedfdp.sweep`).
+
+        The same rules as :meth:`run`: a finished run is skipped, one with a checkpoint resumes,
+        one stopped before its first checkpoint is moved aside and started again; its config is
+        written first. The runs must share an architecture and an algorithm the sweep can batch
+        (else every run fails with the sweep's one ``error:`` line). Each run's log is its
+        ``fit.log``, its command and status its ``harness.json``. ``niceness`` and ``env`` apply to
+        a separate process only: a sweep runs in this one.
+        """
+        from fedfdp.sweep import SweepRun, run_sweep
+
+        results: dict[RunSpec, RunResult] = {}
+        pending: list[tuple[RunSpec, SweepRun]] = []
+        for spec in specs:
+            summary = read_summary(spec.run_dir)
+            if is_finished(summary):
+                results[spec] = RunResult(spec, "skipped", summary=summary)
+                continue
+            self._prepare(spec)
+            args = self.command(spec)[self.command(spec).index("--config"):]
+            pending.append((spec, SweepRun(name=str(spec.run_dir), args=args, log=spec.run_dir / "fit.log")))
+        if pending:
+            run_sweep([run for _, run in pending])
+        for spec, run in pending:
+            code = 1 if run.status is None else int(run.status)
+            (spec.run_dir / "harness.json").write_text(json.dumps(
+                {"command": ["sweep", *run.args], "returncode": code, "wall_seconds": run.seconds}, indent=1))
+            status: Literal["ran", "failed"] = "ran" if code == 0 else "failed"
+            results[spec] = RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir))
+        return [results[spec] for spec in specs if spec in results]
+
+    def _prepare(self, spec: RunSpec) -> None:
+        """Move a run stopped before its first checkpoint aside; create the directory; write its config."""
+        if not resumable(spec.run_dir) and run_files(spec.run_dir):
+            stale = spec.run_dir.with_name(f"{spec.run_dir.name}.stale-{int(time.time())}")
+            spec.run_dir.rename(stale)
+            logger.warning("%s stopped before its first checkpoint: moved to %s, starting it again", spec.run_dir,
+                           stale)
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        if spec.make_config is not None:
+            spec.config.parent.mkdir(parents=True, exist_ok=True)
+            spec.config.write_text(yaml.safe_dump(dict(spec.make_config()), sort_keys=False))
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}

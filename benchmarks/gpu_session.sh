@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The device checks of one GPU lease (docs/gpu.md), from the repository root of a copy of the
+# working tree on the lent machine. Carried (ignored by git): .gpu/whl/*.whl (the packages the
+# machine's image lacks: opacus, jsonargparse, docstring_parser, typeshed_client) and .gpu/data/
+# (the FashionMNIST .gz files). Everything it prints goes to $OUT/<step>.log as well.
+#
+#   bash benchmarks/gpu_session.sh check     # CUDA tests, then the sweep benchmark of configs/fmnist.yaml (8 runs)
+#   bash benchmarks/gpu_session.sh studies   # Table VI and V (FedFDP, DP-FedAvg) as sweeps, the 32-run benchmark
+set -u
+step=${1:?usage: gpu_session.sh check|studies}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+exec > >(tee -a "$out/$step.log") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled PYTHONUNBUFFERED=1
+export FEDFDP_DATA_DIR=$PWD/.gpu/data
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, lightning, opacus; print('torch', torch.__version__, 'lightning', lightning.__version__, 'opacus', opacus.__version__, 'cpus', torch.get_num_threads())"
+start=$(date +%s)
+if [ "$step" = check ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings -n 8 tests/test_gpu.py tests/test_grouped.py \
+    tests/test_sweep.py tests/test_stacked.py tests/privacy/test_mechanism.py 2>&1 | tail -15
+  echo "tests: $(( $(date +%s) - start )) s"
+  timeout 240 python3 benchmarks/sweep.py --config configs/fmnist.yaml --runs 8 --rounds 12 --accelerator gpu \
+    --out /tmp/bench8 2>&1 | grep -v -E " INFO |^(GPU|TPU|HPU|LOCAL_RANK|💡|\`Trainer)"
+  echo "total: $(( $(date +%s) - start )) s"
+elif [ "$step" = studies ]; then
+  for m in fedfdp dpfedavg; do  # one process per method (each its own sweeps), side by side on the GPU
+    ( python3 -m fedfdp.experiments paper-table6 --dataset fmnist --seeds 0 1 2 --methods $m --sweep --out runs/paper \
+        --fit-args --trainer.accelerator gpu > "/tmp/table6_$m.log" 2>&1
+      python3 -m fedfdp.experiments paper-table5 --dataset fmnist --seeds 0 1 2 --methods $m --columns "Dir(0.5)" "Dir(1.0)" \
+        --sweep --out runs/paper \
+        --fit-args --trainer.accelerator gpu > "/tmp/table5_$m.log" 2>&1 ) &
+  done
+  wait
+  tail -3 /tmp/table6_*.log /tmp/table5_*.log
+  echo "studies: $(( $(date +%s) - start )) s"
+  # the finished runs without their checkpoints (what comes back is at most 64 MiB)
+  tar -czf "$out/paper_runs.tgz" --exclude=checkpoints --exclude=plots runs/paper
+  ls -la "$out"
+fi
