@@ -180,8 +180,10 @@ def batch_refusal(federation: Federation) -> str | None:
     if reason is not None:
         return reason
     if federation.algorithm.stackable_step(RoundContext(round=0)) is None:
+        steps = getattr(federation.algorithm, "local_steps", None)
         return (f"{type(federation.algorithm).__name__} has no one-step private update to batch (several local "
-                f"steps, its own local_update, or a non-private algorithm)")
+                f"steps{'' if steps is None else f': local_steps={steps}'}, its own local_update, or a non-private "
+                f"algorithm)")
     return None
 
 
@@ -241,7 +243,9 @@ def _run_sweep(runs: list[SweepRun]) -> int:
     if not built:
         return max((r.status or 0) for r in runs)
     batcher = _prepare(built)
-    if batcher is None:
+    if batcher is None:  # refused (one error: line): no run is fitted
+        for run in built:
+            run.status = 2
         return 2
     return _fit_together(built, batcher, max((r.status or 0) for r in runs))
 

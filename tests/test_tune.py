@@ -352,3 +352,45 @@ def test_a_study_continues_from_another_checkout_but_not_with_another_config(tmp
     assert main(["tune", "--config", str(copy), "--study-dir", str(moved), "--rounds", "1", "--trials", "2"]) == 2
     err = capsys.readouterr().err
     assert "is not the one the study" in err and str(first) in err
+
+
+def test_batched_trials_draw_the_sequential_studys_values_in_batches_of_r(tmp_path, monkeypatch):
+    from fedfdp.experiments import tune
+
+    batches = []
+
+    def together(settings, trials):
+        batches.append([number for number, _ in trials])
+        fake = FakeTrials(fail={4})
+        return [fake(settings, number, overrides) for number, overrides in trials]
+
+    monkeypatch.setattr(tune, "run_trial", FakeTrials(fail={4}))
+    assert _tune(tmp_path / "sequential", "--trials", "7") == 0
+    monkeypatch.setattr(tune, "run_trials_together", together)
+    assert _tune(tmp_path / "batched", "--trials", "7", "--batch", "3") == 0
+    assert batches == [[0, 1, 2], [3, 4, 5], [6]]
+    load = lambda name: optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / name / 'study.db'}")  # noqa: E731
+    sequential, batched = load("sequential"), load("batched")
+    assert [t.params for t in batched.trials] == [t.params for t in sequential.trials]
+    assert [t.state.name for t in batched.trials] == ["COMPLETE"] * 4 + ["FAIL"] + ["COMPLETE"] * 2
+
+
+def test_batch_and_startup_options_are_checked(tmp_path, capsys):
+    assert _tune(tmp_path / "s", "--trials", "2", "--batch", "2", "--jobs", "2") == 2
+    assert "--batch > 1 runs its trials in this process" in capsys.readouterr().err
+    assert _tune(tmp_path / "s", "--trials", "2", "--startup-trials", "-1") == 2
+    assert "--startup-trials must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_batch_of_real_trials_fits_together_and_scores_each_on_validation(tmp_path):
+    study_dir = tmp_path / "study"
+    space = tmp_path / "space.yaml"  # one-step DP-SGD trials: what the sweep engine batches
+    space.write_text(yaml.safe_dump({"model.algorithm.init_args.lr": {"type": "float", "low": 0.2, "high": 2.0}}))
+    assert _tune(study_dir, "--trials", "2", "--batch", "2", "--rounds", "2", "--space", str(space)) == 0
+    study = optuna.load_study(study_name="study", storage=f"sqlite:///{study_dir / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    for trial in study.trials:
+        run_dir = study_dir / f"trial{trial.number}"
+        assert json.loads((run_dir / "harness.json").read_text())["command"][0] == "sweep"
+        assert trial.value == pytest.approx(_history_mean(run_dir))

@@ -183,6 +183,7 @@ class Runner:
         """
         from fedfdp.sweep import SweepRun, run_sweep
 
+        specs = list(specs)
         results: dict[RunSpec, RunResult] = {}
         pending: list[tuple[RunSpec, SweepRun]] = []
         for spec in specs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,10 +133,32 @@ def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, A
 
 def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
     """Every seed's run of trial ``number``; the objective (None when a run failed) and notes."""
+    return trial_result(settings, number, lambda seed, run_dir: run_fit(settings, run_dir, seed, overrides))
+
+
+def run_trials_together(settings: Settings, trials: list[tuple[int, dict[str, Any]]]
+                        ) -> list[tuple[float | None, dict[str, Any]]]:
+    """Every seed's run of every trial ``(number, overrides)`` fitted together in this process
+    (:meth:`Runner.run_sweep`: one batched pass per round); each trial's objective and notes."""
+    specs = {(number, seed): run_spec(settings, settings.run_dir(number, seed), seed, overrides)
+             for number, overrides in trials for seed in settings.seeds}
+    results = {spec.run_dir: result for spec, result in zip(specs.values(), RUNNER.run_sweep(specs.values()))}
+
+    def fitted(seed: int, run_dir: Path) -> tuple[int, dict[str, Any] | None]:
+        result = results[run_dir]
+        return result.returncode, result.summary if result.finished else None
+
+    return [trial_result(settings, number, fitted) for number, _ in trials]
+
+
+def trial_result(settings: Settings, number: int,
+                 fit: Callable[[int, Path], tuple[int, dict[str, Any] | None]]) -> tuple[float | None, dict[str, Any]]:
+    """Trial ``number``'s objective (None when a run failed) and notes from ``fit(seed, run_dir)``,
+    which runs (or looks up) each seed's run and gives its exit status and summary."""
     values, notes = [], {"run_dirs": [], "rounds_run": []}
     for seed in settings.seeds:
         run_dir = settings.run_dir(number, seed)
-        code, summary = run_fit(settings, run_dir, seed, overrides)
+        code, summary = fit(seed, run_dir)
         notes["run_dirs"].append(str(run_dir))
         if code != 0 or summary is None:
             notes["error"] = f"exit status {code}: {last_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"

@@ -4,7 +4,8 @@
 
     python -m fedfdp.experiments tune --config configs/fmnist.yaml --trials 30 [--study-dir DIR]
         [--seeds 0] [--val-fraction 0.1] [--objective val_accuracy] [--last 5] [--rounds R]
-        [--space SPACE.yaml] [--sampler tpe|grid] [--jobs N] [--wandb MODE] [--dry-run]
+        [--space SPACE.yaml] [--sampler tpe|grid] [--jobs N | --batch R] [--startup-trials N] [--wandb MODE]
+        [--dry-run]
 
 **Validation data only.** Every trial trains with ``--data.init_args.val_fraction V`` (default
 0.1): that fraction of each client's *training* split is held out (seeded by the partition seed;
@@ -44,6 +45,14 @@ trials are still asked in trial order from one process, so the values they draw 
 N while TPE draws at random: its first 10 trials (Optuna's ``n_startup_trials``) draw from its
 seeded random stream without looking at results. After those, a trial asked while others run does
 not see their results; ``--jobs 1`` (the default) keeps the purely sequential study.
+
+**Trials in one process.** ``--batch R`` asks R trials at a time (in trial order) and fits all of
+them (every seed of each) together in this process with the sweep engine (:mod:`fedfdp.sweep`:
+one batched per-sample pass per round for every client of every trial); each trial is still its
+own run directory and its result that of the trial alone. As with ``--jobs``, the R trials of a
+batch do not see each other's results. ``--startup-trials N`` sets how many random trials TPE
+draws before it models the results (Optuna's ``n_startup_trials``, default 10): a study of 64
+trials spends most of them past its start-up.
 
 **Rounds.** Without ``--rounds`` every trial runs the config's rounds: for the DP configs
 (``num_rounds: null``) as many as the privacy budget allows for the trial's sample rate and local
@@ -88,7 +97,9 @@ from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
     load_space, sample_overrides,
 )
-from fedfdp.experiments.trials import Settings, fit_command, objective_value, parse_objective, run_trial
+from fedfdp.experiments.trials import (
+    Settings, fit_command, objective_value, parse_objective, run_trial, run_trials_together,
+)
 
 __all__ = ["TuneError", "objective_value", "parse_objective", "register", "run"]
 
@@ -107,6 +118,11 @@ def _settings(args: argparse.Namespace) -> Settings:
                         f"splits, got {args.val_fraction}")
     if args.jobs < 1:
         raise TuneError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.batch < 1 or (args.batch > 1 and args.jobs > 1):
+        raise TuneError(f"--batch must be >= 1, and --batch > 1 runs its trials in this process: use it with --jobs "
+                        f"1, got --batch {args.batch} --jobs {args.jobs}")
+    if args.startup_trials < 0:
+        raise TuneError(f"--startup-trials must be >= 0, got {args.startup_trials}")
     if args.last < 1:
         raise TuneError(f"--last must be >= 1, got {args.last}")
     if args.rounds is not None and args.rounds < 1:
@@ -128,7 +144,7 @@ def _settings(args: argparse.Namespace) -> Settings:
                     fit_args=list(args.fit_args or []), sampler=args.sampler)
 
 
-def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int) -> Any:
+def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int, startup_trials: int = 10) -> Any:
     import optuna
 
     # a fresh seed per session: a resumed study must not draw its first trials' values again
@@ -145,7 +161,7 @@ def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int) ->
                 return None
 
         return AskTellGridSampler(grid_space(space), seed=seed + trials_so_far)
-    return optuna.samplers.TPESampler(seed=seed + trials_so_far)
+    return optuna.samplers.TPESampler(seed=seed + trials_so_far, n_startup_trials=startup_trials)
 
 
 def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
@@ -250,13 +266,14 @@ def run(args: argparse.Namespace) -> int:
         settings = _settings(args)
         if args.dry_run:
             return _dry_run(settings, args.trials, args.sampler_seed)
-        return _run_study(settings, args.trials, args.sampler_seed, args.jobs)
+        return _run_study(settings, args.trials, args.sampler_seed, args.jobs, args.batch, args.startup_trials)
     except TuneError as err:
         message(f"error: tune: {err}")
         return 2
 
 
-def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int = 1) -> int:
+def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int = 1, batch: int = 1,
+               startup_trials: int = 10) -> int:
     import optuna
     from optuna.trial import TrialState
 
@@ -266,7 +283,8 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
                                 load_if_exists=True)
     _check_identity(study, settings)
     study = optuna.load_study(study_name=settings.study_name, storage=storage,
-                              sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(study.trials)))
+                              sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(study.trials),
+                                               startup_trials))
     (settings.study_dir / "search_space.yaml").write_text(
         (DEFAULT_SPACE_YAML if settings.space == DEFAULT_SPACE else yaml.safe_dump(settings.space, sort_keys=False)))
     if not study.trials and settings.sampler == "tpe":
@@ -322,6 +340,14 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
         trial.set_user_attr("overrides", overrides)
         return trial, overrides
 
+    while batch > 1 and (items := _take(next_trial, min(batch, max(n_trials - finished, len(queue))))):
+        # --batch R: R trials (every seed of each) fitted together in this process, one batched pass
+        # per round (fedfdp.sweep); recorded in trial order once all of them have ended
+        results = run_trials_together(settings, [(trial.number, overrides) for trial, overrides in items])
+        for (trial, _), result in zip(items, results):
+            record(trial, result)
+            finished += 1
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         while True:
             while len(running) < jobs and (item := next_trial()) is not None:
@@ -352,6 +378,14 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
                f"rounds")
     output("note: tuning is not charged to the privacy budget; ε covers one training run")
     return 0
+
+
+def _take(ask: Any, count: int) -> list[Any]:
+    """Up to ``count`` items from ``ask()`` (stopping at the first None)."""
+    items = []
+    while len(items) < count and (item := ask()) is not None:
+        items.append(item)
+    return items
 
 
 def register(subparsers: Any) -> None:
@@ -386,6 +420,12 @@ def register(subparsers: Any) -> None:
                    help="seed of the sampler (default: 0)")
     p.add_argument("--jobs", type=int, default=1,
                    help="trials run at a time, each its own fedfdp.fit process (default: 1); see Parallel trials")
+    p.add_argument("--batch", type=int, default=1,
+                   help="trials fitted together in this process, one batched per-sample pass per round (python -m "
+                        "fedfdp.experiments sweep's engine; algorithms it cannot batch are refused); default 1")
+    p.add_argument("--startup-trials", "--startup_trials", dest="startup_trials", type=int, default=10,
+                   help="TPE's random start-up trials before it models the results (Optuna's n_startup_trials; "
+                        "default 10)")
     p.add_argument("--wandb", default=None, choices=["auto", "online", "offline", "disabled"],
                    help="W&B mode of the trial runs (default: fedfdp.fit's)")
     add_dry_run(p)
