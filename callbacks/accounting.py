@@ -100,6 +100,7 @@ class RDPAccounting(FederationCallback):
         self.guarantee_checked = False  # set once every release and upload field was checked at start
         self._declared: dict[str, str | None] | None = None  # upload field -> how it is private
         self._file: LedgerFile | None = None
+        self._migrate = False  # checkpoint-only ledgers to write to the ledger file once training starts
         self._charged: set[int] = set()  # clients of the current round charged by on_client_release
         self.ledgers: dict[int, PrivacyLedger] = {}           # every release
         self.budget_ledgers: dict[int, PrivacyLedger] = {}    # releases counted by accounting_mode
@@ -365,7 +366,8 @@ class RDPAccounting(FederationCallback):
         """Restore the ledgers from a checkpoint, unless the ledger file already holds them.
 
         The file holds every release, including those after the checkpoint, so it wins. A
-        checkpoint written before ledger files existed (an empty file) is migrated into it.
+        checkpoint written before ledger files existed (an empty file) is migrated into it when
+        training starts (:meth:`on_train_start`): a resume refused before then writes nothing.
         """
         self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
         if self._file is not None and self.ledgers:
@@ -376,7 +378,16 @@ class RDPAccounting(FederationCallback):
             for cid, led_state in state_dict[key].items():
                 self._ledger(store, int(cid)).load_state_dict(led_state)
         self._refresh(set(self.ledgers) | set(self.budget_ledgers))
-        if self._file is not None and self.ledgers:
+        self._migrate = self._file is not None and bool(self.ledgers)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Write checkpoint-only ledgers to the ledger file, now that no check can refuse the start.
+
+        Restoring a checkpoint happens before the last checks of a resume (e.g. nothing left to
+        train): a refused resume must change no file, so the migration waits until training starts.
+        """
+        if self._migrate:
+            self._migrate = False
             self._migrate_to_file()
 
     def _check_file_covers(self, checkpoint_ledgers: dict[Any, dict[str, Any]]) -> None:

@@ -296,7 +296,8 @@ def run_table(args: argparse.Namespace) -> int:
     failed = 0
     if not args.aggregate_only and todo:
         specs = [r.spec(args.rounds, args.fit_args or []) for r in todo]
-        failed = sum(result.status == "failed" for result in runner(args.nice).run_all(specs, jobs=args.jobs))
+        failed = sum(result.status in ("failed", "incomplete")  # incomplete: clients left out, not tabulated
+                     for result in runner(args.nice).run_all(specs, jobs=args.jobs))
     rows = collect(runs)
     if not rows:
         message(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "

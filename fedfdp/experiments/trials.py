@@ -124,11 +124,12 @@ def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[st
     return RUNNER.command(run_spec(settings, run_dir, seed, overrides))
 
 
-def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
-    """Run (or resume, or skip when finished) one trial run; returns its exit status and, when it
-    finished, its summary."""
+def run_fit(settings: Settings, run_dir: Path, seed: int,
+            overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None, Path]:
+    """Run (or resume, or skip when finished) one trial run; returns its exit status, its summary when
+    it finished (not with clients left out), and its log."""
     result = RUNNER.run(run_spec(settings, run_dir, seed, overrides))
-    return result.returncode, result.summary if result.finished else None
+    return result.returncode, result.summary if result.finished else None, result.log
 
 
 def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
@@ -136,10 +137,10 @@ def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tup
     values, notes = [], {"run_dirs": [], "rounds_run": []}
     for seed in settings.seeds:
         run_dir = settings.run_dir(number, seed)
-        code, summary = run_fit(settings, run_dir, seed, overrides)
+        code, summary, log = run_fit(settings, run_dir, seed, overrides)
         notes["run_dirs"].append(str(run_dir))
         if code != 0 or summary is None:
-            notes["error"] = f"exit status {code}: {last_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
+            notes["error"] = f"exit status {code}: {last_error_line(log)} (see {log})"
             return None, notes
         try:
             values.append(objective_value(summary, settings.terms, settings.last))
