@@ -11,7 +11,7 @@ that record and turns it into what ``summary.json`` and ``report.md`` say:
 * :func:`final_status`: ``completed`` or ``budget_spent`` become ``completed_with_missing_clients``
   or ``budget_spent_with_missing_clients`` when any client was left out of any round or the final
   evaluation does not cover every client; no other status changes;
-* :func:`coverage_note` and :func:`compact_rounds`: the same in words (``"rounds 4-8, 10"``).
+* :func:`coverage_note`, :func:`rounds_phrase` and :func:`compact_rounds`: the same in words (``"rounds 4-8, 10"``).
 
 Only the standard library is imported here (the experiment harnesses read it without torch).
 """
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 __all__ = ["MISSING_CLIENTS_STATUSES", "MISSING_SUFFIX", "Participation", "compact_rounds", "coverage_note",
-           "final_status", "has_missing_clients"]
+           "final_status", "has_missing_clients", "rounds_phrase"]
 
 #: appended to a finished status when a client was left out of a round or of the final evaluation
 MISSING_SUFFIX = "_with_missing_clients"
@@ -47,6 +47,12 @@ def compact_rounds(rounds: Iterable[int]) -> str:
         if r is not None:
             start = prev = r
     return ", ".join(parts)
+
+
+def rounds_phrase(rounds: Iterable[int]) -> str:
+    """``"round 6"`` or ``"rounds 4-8, 10"``."""
+    rounds = sorted(set(rounds))
+    return f"round{'s' if len(rounds) > 1 else ''} {compact_rounds(rounds)}"
 
 
 class Participation:
@@ -123,9 +129,8 @@ def coverage_note(summary: Mapping[str, Any]) -> list[str]:
     for cid, rounds in missing.items():
         own = set(refused.get(cid, []))
         gone = [r for r in rounds if r not in own]
-        parts = ([f"rounds {compact_rounds(gone)} (no upload: its node was lost, failed or did not answer)"]
-                 if gone else []) + ([f"rounds {compact_rounds(own)} (refused on its own privacy budget)"]
-                                     if own else [])
+        parts = ([f"{rounds_phrase(gone)} (no upload: its node was lost, failed or did not answer)"]
+                 if gone else []) + ([f"{rounds_phrase(own)} (refused on its own privacy budget)"] if own else [])
         lines.append(f"- client {cid} left out of {'; '.join(parts)}")
     evaluated, clients = summary.get("evaluated_clients"), summary.get("num_clients")
     if evaluated is not None and clients is not None and len(evaluated) < int(clients):

@@ -226,9 +226,9 @@ def test_a_restarted_node_takes_its_client_back_at_the_next_round(tmp_path, capl
     with caplog.at_level("WARNING"):
         run_dir = run_server(grid, settings)  # type: ignore[arg-type]
     lines = [r.getMessage() for r in caplog.records]
-    assert [m for m in lines if m.startswith("client 1: SuperNode 111 now serves partition-id=1 (SuperNode 101 was "
-                                             "lost in round 2)")], lines
-    assert "client 1 was left out of rounds 2 of 4" in lines
+    assert [m for m in lines if m.startswith("client 1: SuperNode 111 now serves partition-id=1 (SuperNode 101 "
+                                             "stopped answering in round 2)")], lines
+    assert "client 1 was left out of round 2 of 4" in lines
     assert sorted({e.round for e in LedgerFile(ledger_path(ledgers, 1)).read()}) == [0, 2, 3]
     assert [float(r["clients_uploaded"]) for r in upload_rows(run_dir)] == [3, 2, 3, 3]
     summary = json.loads((run_dir / "summary.json").read_text())

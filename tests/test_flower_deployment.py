@@ -243,7 +243,7 @@ def test_a_restarted_supernode_takes_its_client_back_and_the_run_says_what_it_mi
     record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]["1"]
     assert len(record["node_ids"]) == 2 and record["node_id"] == record["node_ids"][1] != record["node_ids"][0]
     assert record["missed_rounds"] == [KILL_AFTER + 1] and record["dropped"] is False
-    assert "client 1 left out of rounds 2 " in (run_dir / "report.md").read_text()
+    assert "client 1 left out of round 2 " in (run_dir / "report.md").read_text()
     (federation.root / "restart.json").write_text(json.dumps({"flower_seconds": run.seconds}))
 
 

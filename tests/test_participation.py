@@ -97,7 +97,7 @@ def test_report_says_in_its_first_lines_which_clients_were_left_out_and_what_the
     assert lines[4] == "**Not a complete run: clients were left out.**"
     assert lines[6] == ("- client 1 left out of rounds 4-8 (no upload: its node was lost, failed or did not "
                         "answer)")
-    assert lines[7] == "- client 2 left out of rounds 6 (refused on its own privacy budget)"
+    assert lines[7] == "- client 2 left out of round 6 (refused on its own privacy budget)"
     assert "cover clients 0, 2 (2 of 3); client 1 did not answer the evaluation" in lines[8]
     assert any(line.startswith("| pooled test accuracy (final, clients 0, 2 of 3) | 0.3000") for line in lines)
     assert any(line.startswith("| best pooled accuracy (round, clients 0, 2 of 3) |") for line in lines)

@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
                     message(f"error: rcdpfl-table: {name}: {err}")
                     return 2
                 summary = finished_summary(spec.run_dir)  # only complete runs are tabulated
-                if result.status in ("failed", "incomplete") or summary is None:  # keep going: one failed run must not lose the others
+                # keep going: one failed (or incomplete) run must not lose the others
+                if result.status in ("failed", "incomplete") or summary is None:
                     message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
                             f"(see {result.log})")
                     failed += 1

@@ -47,7 +47,8 @@ def is_finished(summary: Mapping[str, Any] | None) -> bool:
     if summary is None:
         return False
     done = summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1)
-    return done and summary.get("status", FINISHED_STATUSES[0]) in FINISHED_STATUSES and not has_missing_clients(summary)
+    status = summary.get("status", FINISHED_STATUSES[0])
+    return done and status in FINISHED_STATUSES and not has_missing_clients(summary)
 
 
 def ended_with_missing_clients(summary: Mapping[str, Any] | None) -> bool:

@@ -46,7 +46,7 @@ import yaml
 from fedfdp.errors import ConfigError
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary
 from fedfdp.experiments.staging import StagedOutput, snapshot
-from fedfdp.participation import compact_rounds
+from fedfdp.participation import rounds_phrase
 from fedfdp.rundir import RunLock, run_files
 
 __all__ = ["DEFAULT_ENV", "RunResult", "RunSpec", "Runner", "last_error_line"]
@@ -156,7 +156,8 @@ class Runner:
             logger.info("skip %s (finished)", spec.run_dir)
             return RunResult(spec, "skipped", summary=summary)
         if ended_with_missing_clients(summary):
-            left = "; ".join(f"client {c}: rounds {compact_rounds(r)}" for c, r in summary["missing_clients"].items())
+            missing = summary.get("missing_clients") or {}
+            left = "; ".join(f"client {c}: {rounds_phrase(r)}" for c, r in missing.items())
             logger.error("error: %s ran every round but left clients out (status %s; %s): not a complete run, "
                          "and a resume cannot add them; move it aside to run it afresh", spec.run_dir,
                          summary.get("status"), left or "the final evaluation missed clients")

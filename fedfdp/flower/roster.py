@@ -101,7 +101,7 @@ class NodeRoster:
         self.claims: dict[int, int | None] = {n: p for p, n in nodes.items()}  # node → partition (None: unusable)
         self.connected: set[int] = set(nodes.values())
         self.failed: set[int] = set()
-        self.lost_in: dict[int, str] = {}  # partition → where its serving node was lost ("round 4")
+        self.lost_in: dict[int, str] = {}  # partition → where its serving node stopped answering ("round 4")
         self._duplicates: set[tuple[int, int]] = set()
 
     def live(self, partition: int) -> int | None:
@@ -154,8 +154,9 @@ class NodeRoster:
                     self._take_over(p, others[-1])
                 continue
             if p in self.lost_in:  # its own node id came back (node authentication keeps the id)
-                logger.warning("client %d: SuperNode %d is connected again for partition-id=%d (lost in %s); the "
-                               "client takes part again from this message round", p, node, p, self.lost_in.pop(p))
+                logger.warning("client %d: SuperNode %d is connected again for partition-id=%d (it stopped answering "
+                               "in %s); the client takes part again from this message round", p, node, p,
+                               self.lost_in.pop(p))
             for other in (n for n in others if (p, n) not in self._duplicates):
                 self._duplicates.add((p, other))
                 logger.warning("SuperNodes %d and %d both hold partition-id=%d: %d serves it while it answers; %d "
@@ -180,6 +181,6 @@ class NodeRoster:
         if self.served_by.setdefault(partition, [])[-1:] != [node]:
             self.served_by[partition].append(node)
         where = self.lost_in.pop(partition, "an earlier round")
-        logger.warning("client %d: SuperNode %d now serves partition-id=%d (SuperNode %d was lost in %s); the client "
-                       "takes part again from this message round, continuing from its saved state and ledger",
+        logger.warning("client %d: SuperNode %d now serves partition-id=%d (SuperNode %d stopped answering in %s); the "
+                       "client takes part again from this message round, continuing from its saved state and ledger",
                        partition, node, partition, before, where)

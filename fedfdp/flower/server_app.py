@@ -34,8 +34,8 @@ evaluation done on its node. Before every message round the server asks the Supe
 nodes are connected: a SuperNode restarted for the same partition (new node id, same state file
 and ledger) is taken back at the next round. Clients left out of rounds are listed in
 ``summary.json`` (``missing_clients``; status ``completed_with_missing_clients``) and ``report.md``,
-and one log line per such client at the end says which rounds. A configuration problem on the server or on a node stops the run
-with one ``error:`` line in the log, and the run is marked failed.
+and one log line per such client at the end says which rounds. A configuration problem on the
+server or on a node stops the run with one ``error:`` line in the log, and the run is marked failed.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
     for line in federation.left_out_lines():
         logger.warning("%s", line)
     for cid in sorted(federation.dropped):
-        logger.warning("client %d has no live SuperNode at the end of the run (lost in %s)", cid,
+        logger.warning("client %d has no live SuperNode at the end of the run (it stopped answering in %s)", cid,
                        federation.roster.lost_in.get(cid, "an earlier round"))
     logger.info("run finished: %s (%d refusals)", cli.run_dir, len(federation.refusals))
     return Path(cli.run_dir)

@@ -49,7 +49,7 @@ from fedfdp.flower import protocol
 from fedfdp.flower.protocol import NodeDescription, Refusal
 from fedfdp.flower.remote import RemoteClients
 from fedfdp.flower.roster import NodeRoster, describe_nodes, exchange
-from fedfdp.participation import Participation, compact_rounds
+from fedfdp.participation import Participation, rounds_phrase
 from fedfdp.types import ClientUpdate, RoundContext
 
 logger = logging.getLogger(__name__)
@@ -223,14 +223,15 @@ class FlowerFederation(Federation):
         if absent:
             logger.warning("%s: client%s %s left out: no live SuperNode (%s)", where, "s" if len(absent) > 1 else "",
                            ", ".join(map(str, absent)), "; ".join(
-                               f"client {c}'s SuperNode {self.roster.serving[c]} was lost in "
+                               f"client {c}'s SuperNode {self.roster.serving[c]} stopped answering in "
                                f"{self.roster.lost_in.get(c, 'an earlier round')}" for c in absent))
         messages = [Message(content, dst_node_id=nodes[cid], message_type=message_type)
                     for cid, content in targets.items()]
         by_node = {nodes[cid]: cid for cid in targets}
         replies: dict[int, Message] = {}
         lost: set[int] = set()
-        for reply in exchange(self.grid, messages, timeout=self.round_timeout, straggler_timeout=self.straggler_timeout):
+        for reply in exchange(self.grid, messages, timeout=self.round_timeout,
+                              straggler_timeout=self.straggler_timeout):
             cid = by_node.get(reply.metadata.src_node_id)
             if cid is None:  # the SuperLink answers for a node it gave up on (src is the SuperLink)
                 cid = next((c for c, m in zip(targets, messages) if m.object_id == reply.metadata.reply_to_message_id),
@@ -337,7 +338,7 @@ class FlowerFederation(Federation):
     def left_out_lines(self) -> list[str]:
         """One line per client left out of rounds (which rounds, why), for the end of the run's log."""
         refused = self.participation.left_out("refused")
-        return [f"client {cid} was left out of rounds {compact_rounds(rounds)} of {self.total_rounds}"
+        return [f"client {cid} was left out of {rounds_phrase(rounds)} of {self.total_rounds}"
                 + (f" ({len(refused[cid])} refused on its own budget)" if cid in refused else "")
                 for cid, rounds in self.participation.left_out().items()]
 
