@@ -117,13 +117,13 @@ def start_wandb(loggers: list[Logger], rank_zero: bool) -> None:
 
 
 def _run_wandb_logger() -> type[Logger]:
-    """:class:`RunWandbLogger` (defined on first use: W&B's logger is only imported when W&B is on)."""
-    global RunWandbLogger
-    if RunWandbLogger is not None:
-        return RunWandbLogger
+    """``RunWandbLogger``, defined on first use (W&B's logger is only imported when W&B is on)."""
+    global _RUN_WANDB_LOGGER
+    if _RUN_WANDB_LOGGER is not None:
+        return _RUN_WANDB_LOGGER
     from lightning.pytorch.loggers import WandbLogger
 
-    class _RunWandbLogger(WandbLogger):
+    class RunWandbLogger(WandbLogger):
         """W&B's logger whose W&B run, and its files under ``<run_dir>/wandb``, start with training.
 
         Lightning creates every logger's experiment while fitting sets up, before a resume's last
@@ -147,17 +147,18 @@ def _run_wandb_logger() -> type[Logger]:
                 raise AttributeError("the W&B run starts when training starts")
             return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
 
-    RunWandbLogger = _RunWandbLogger
+    _RUN_WANDB_LOGGER = RunWandbLogger
     return RunWandbLogger
 
 
 #: the run's W&B logger class (set by :func:`_run_wandb_logger`)
-RunWandbLogger: type[Logger] | None = None
+_RUN_WANDB_LOGGER: type[Logger] | None = None
 
 
 def finish_wandb(cli: Any, failed: bool) -> None:
     """Close the W&B run that ``cli``'s trainer opened, so a later run in the same process gets its own."""
     trainer = getattr(cli, "trainer", None)
     for lg in getattr(trainer, "loggers", None) or []:
-        if type(lg).__name__ == "WandbLogger" and getattr(lg, "_experiment", None) is not None:
+        is_wandb = any(cls.__name__ == "WandbLogger" for cls in type(lg).__mro__)  # RunWandbLogger too
+        if is_wandb and getattr(lg, "_experiment", None) is not None:
             lg.experiment.finish(exit_code=1 if failed else 0)
