@@ -31,10 +31,10 @@ from fedfdp.distributed import rank_and_world
 from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.privacy.accounting import (ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent,
                                       PrivacyLedger, epsilon_of, max_rounds, uncovered_steps)
-from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
+from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile, checkpoint_entries
 from fedfdp.privacy.uploads import declared_upload_privacy, unprotected_declarations, unprotected_fields
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
-from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate, RoundContext
+from fedfdp.types import MODEL_RELEASE, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -101,6 +101,7 @@ class RDPAccounting(FederationCallback):
         self.guarantee_checked = False  # set once every release and upload field was checked at start
         self._declared: dict[str, str | None] | None = None  # upload field -> how it is private
         self._file: LedgerFile | None = None
+        self._migrate = False  # checkpoint-only ledgers to write to the ledger file once training starts
         self._charged: set[int] = set()  # clients of the current round charged by on_client_release
         self.ledgers: dict[int, PrivacyLedger] = {}           # every release
         self.budget_ledgers: dict[int, PrivacyLedger] = {}    # releases counted by accounting_mode
@@ -371,8 +372,8 @@ class RDPAccounting(FederationCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the ledgers from a checkpoint, unless the ledger file already holds them.
 
-        The file holds every release, including those after the checkpoint, so it wins. A
-        checkpoint written before ledger files existed (an empty file) is migrated into it.
+        The file holds every release, including those after the checkpoint, so it wins. A checkpoint
+        written before ledger files existed (an empty file) is migrated into it (:meth:`on_train_start`).
         """
         self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
         if self._file is not None and self.ledgers:
@@ -383,7 +384,12 @@ class RDPAccounting(FederationCallback):
             for cid, led_state in state_dict[key].items():
                 self._ledger(store, int(cid)).load_state_dict(led_state)
         self._refresh(set(self.ledgers) | set(self.budget_ledgers))
-        if self._file is not None and self.ledgers:
+        self._migrate = self._file is not None and bool(self.ledgers)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Write checkpoint-only ledgers to the file now that no check can refuse the start (they are
+        restored before a resume's last checks, and a refused resume must change no file)."""
+        if self._migrate:
             self._migrate_to_file()
 
     def _check_file_covers(self, checkpoint_ledgers: dict[Any, dict[str, Any]]) -> None:
@@ -405,13 +411,8 @@ class RDPAccounting(FederationCallback):
     def _migrate_to_file(self) -> None:
         """Write checkpoint-only ledgers to the ledger file (round -1: before ledger files existed)."""
         assert self._file is not None
-        entries = []
-        for cid, ledger in self.ledgers.items():
-            counted = list(self.budget_ledgers[cid].events) if cid in self.budget_ledgers else []
-            for event in ledger.events:
-                kind = MODEL_RELEASE if event in counted else LOSS_RELEASE
-                if event in counted:
-                    counted.remove(event)
-                entries.append(LedgerEntry(round=-1, client=cid, kind=kind, event=event))
+        self._migrate = False
+        entries = checkpoint_entries({c: list(led.events) for c, led in self.ledgers.items()},
+                                     {c: list(led.events) for c, led in self.budget_ledgers.items()})
         self._file.append(entries)
         logger.info("privacy ledger %s: migrated %d checkpoint entries", self.ledger_path, len(entries))

@@ -15,6 +15,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.base import FederationCallback
 from fedfdp.errors import DivergenceError
+from fedfdp.participation import MISSING_CLIENTS_STATUSES, final_status
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -36,8 +37,26 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-#: ``summary.json``'s ``status``: how the run stands or ended.
-STATUSES = ("running", "completed", "budget_spent", "diverged", "interrupted", "failed")
+#: ``summary.json``'s ``status``: how the run stands or ended. ``completed_with_missing_clients`` and
+#: ``budget_spent_with_missing_clients``: every planned round ran, but some sampled client did not
+#: upload in some round, or the final evaluation does not cover every client (a deployment's lost
+#: or refusing nodes; :mod:`fedfdp.participation`).
+STATUSES = ("running", "completed", "budget_spent", *MISSING_CLIENTS_STATUSES, "diverged", "interrupted", "failed")
+
+
+def evaluated_clients(result: EvaluationResult | None) -> list[int] | None:
+    """The clients an evaluation has numbers for (not NaN); None before the first evaluation."""
+    if result is None:
+        return None
+    return [cid for cid, acc in enumerate(result.client_accuracy.tolist()) if acc == acc]
+
+
+def left_out_clients(federation: Federation) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """``({client: rounds left out}, {client: rounds refused})`` of the run (empty in a simulation)."""
+    participation = getattr(federation, "participation", None)
+    if participation is None:
+        return {}, {}
+    return participation.left_out(), participation.left_out("refused")
 
 
 def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
@@ -60,11 +79,15 @@ class RunSummary(FederationCallback):
     """Writes ``summary.json`` after every evaluation and when the run ends, however it ends.
 
     Contents: ``status`` (``running`` while the run goes on; ``completed`` after ``num_rounds``,
-    ``budget_spent`` when the privacy budget set the rounds, ``diverged``, ``interrupted`` by a
-    signal, ``failed`` on any other error), rounds run, the latest evaluation (pooled accuracy,
-    per-client accuracy and loss, Ψ variants, accuracy dispersion) and its round, the best pooled
-    accuracy, the privacy claims (:func:`privacy_claims`), ε spent (and budgeted ε), the seed,
-    seconds per round, peak memory and ``wall_seconds``.
+    ``budget_spent`` when the privacy budget set the rounds, either with ``_with_missing_clients``
+    when a client was left out of a round or of the final evaluation, ``diverged``,
+    ``interrupted`` by a signal, ``failed`` on any other error), rounds run, the latest evaluation
+    (pooled accuracy, per-client accuracy and loss, Ψ variants, accuracy dispersion) and its round,
+    ``evaluated_clients`` (the clients those figures cover; each history entry that covers fewer
+    than all clients lists its own), ``missing_clients`` (``{client: [1-based rounds]}`` in which a
+    sampled client did not upload; ``refused_clients`` the subset it refused on its own budget),
+    the best pooled accuracy, the privacy claims (:func:`privacy_claims`), ε spent (and budgeted ε),
+    the seed, seconds per round, peak memory and ``wall_seconds``.
 
     A resumed run's summary covers the whole run: the history, best accuracy and round times come
     with the checkpoint, and ``wall_seconds`` is this session's wall time (since this callback was
@@ -89,6 +112,7 @@ class RunSummary(FederationCallback):
         self._session_start = time.monotonic()  # this session: from building the run (data loading included)
         self._last_result: EvaluationResult | None = None
         self._training = False  # training started: a summary is owed however the run ends
+        self.last_status: str | None = None  # the status last written (``final_status`` of the one asked)
 
     def _path(self, trainer: Trainer) -> Path:
         path = Path(self.dirpath or trainer.default_root_dir)
@@ -126,7 +150,11 @@ class RunSummary(FederationCallback):
         acc = result.scalars["accuracy"]
         if self.best_accuracy is None or acc > self.best_accuracy:
             self.best_accuracy, self.best_round = acc, result.round
-        self.history.append({"round": result.round, **result.scalars})
+        entry: dict[str, Any] = {"round": result.round, **result.scalars}
+        covered = evaluated_clients(result)
+        if covered is not None and len(covered) < federation.num_clients:
+            entry["evaluated_clients"] = covered
+        self.history.append(entry)
         self._last_result = result
         self.write(trainer, federation, "running")
 
@@ -136,6 +164,7 @@ class RunSummary(FederationCallback):
         if not trainer.is_global_zero:  # several processes hold the same results; one writes them
             return None
         summary = self.summary(trainer, federation, self._last_result, status)
+        self.last_status = summary["status"]
         path = self._path(trainer)
         write_json_atomic(path, summary)
         _to_wandb_summary(trainer, summary)
@@ -149,14 +178,19 @@ class RunSummary(FederationCallback):
         seconds = federation.round_seconds
         self._session_rounds = (float(sum(seconds)), len(seconds))
         total, timed = self._round_seconds()
+        left_out, refused = left_out_clients(federation)
+        evaluated = evaluated_clients(result)
         out: dict[str, Any] = {
-            "status": status,
+            "status": final_status(status, left_out, evaluated, federation.num_clients),
             "rounds_run": int(trainer.global_step),
             "rounds_planned": federation.total_rounds,
             "final_evaluation_round": result.round if result is not None else None,
             "algorithm": type(federation.algorithm).__name__,
             "num_clients": federation.num_clients,
             "final": dict(result.scalars) if result is not None else None,
+            "evaluated_clients": evaluated,
+            "missing_clients": {str(c): rounds for c, rounds in left_out.items()},
+            "refused_clients": {str(c): rounds for c, rounds in refused.items()},
             "best_accuracy": self.best_accuracy,
             "best_accuracy_round": self.best_round,
             "clients": None if result is None else {
@@ -188,7 +222,10 @@ class RunSummary(FederationCallback):
         path = self.write(trainer, federation, status)
         if path is None:
             return
-        logger.info("summary written to %s (status %s)", path, status)
+        if self.last_status != status:
+            logger.warning("run %s, but with clients left out: status %s (summary.json: missing_clients, "
+                           "evaluated_clients)", status, self.last_status)
+        logger.info("summary written to %s (status %s)", path, self.last_status)
         if self.report and self._last_result is not None:
             from fedfdp.report import write_report
 

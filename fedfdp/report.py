@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfdp.cli.errors import OneLineErrorParser
+from fedfdp.participation import coverage_note, has_missing_clients
 
 logger = logging.getLogger(__name__)
 
@@ -203,15 +204,18 @@ def _write_report(run_dir: Path) -> Path:
     lines = [f"# Run report: {run_dir.name}", "",
              f"Algorithm **{summary['algorithm']}**, {summary['num_clients']} clients, "
              f"{summary['rounds_run']} of {summary['rounds_planned']} planned rounds"
-             f"{'' if summary.get('status') is None else ', status **' + summary['status'] + '**'}.", "",
-             "| metric | value |", "|---|---|",
-             f"| pooled test accuracy (final) | {final['accuracy']:.4f} |",
-             f"| best pooled accuracy (round) | {summary['best_accuracy']:.4f} ({summary['best_accuracy_round']}) |",
-             f"| Ψ paper (global model, client test splits) | {final['psi_paper']:.4g} |",
-             f"| Ψ train (global model, client train splits) | {_fmt(final.get('psi_train_global'))} |",
-             f"| client accuracy: mean / std / worst / worst 10% | {final['accuracy_mean']:.4f} / "
-             f"{final['accuracy_std']:.4f} / {final['accuracy_worst']:.4f} / {final['accuracy_worst10']:.4f} |",
-             f"| Jain's index of client accuracy | {final['accuracy_jain']:.4f} |"]
+             f"{'' if summary.get('status') is None else ', status **' + summary['status'] + '**'}.", ""]
+    if has_missing_clients(summary):
+        lines += ["**Not a complete run: clients were left out.**", "", *coverage_note(summary), ""]
+    lines += ["| metric | value |", "|---|---|",
+              f"| pooled test accuracy (final{_covered(summary)}) | {final['accuracy']:.4f} |",
+              f"| best pooled accuracy (round{_best_covered(summary)}) | {summary['best_accuracy']:.4f} "
+              f"({summary['best_accuracy_round']}) |",
+              f"| Ψ paper (global model, client test splits) | {final['psi_paper']:.4g} |",
+              f"| Ψ train (global model, client train splits) | {_fmt(final.get('psi_train_global'))} |",
+              f"| client accuracy: mean / std / worst / worst 10% | {final['accuracy_mean']:.4f} / "
+              f"{final['accuracy_std']:.4f} / {final['accuracy_worst']:.4f} / {final['accuracy_worst10']:.4f} |",
+              f"| Jain's index of client accuracy | {final['accuracy_jain']:.4f} |"]
     if "epsilon" in summary:
         lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
@@ -229,6 +233,21 @@ def _write_report(run_dir: Path) -> Path:
     return report
 
 
+def _covered(summary: dict[str, Any]) -> str:
+    """``", clients 0, 2 of 3"`` when the final figures do not cover every client, else empty."""
+    evaluated, clients = summary.get("evaluated_clients"), summary.get("num_clients")
+    if evaluated is None or clients is None or len(evaluated) >= int(clients):
+        return ""
+    return f", clients {', '.join(map(str, evaluated))} of {clients}"
+
+
+def _best_covered(summary: dict[str, Any]) -> str:
+    """``", clients 0, 2 of 3"`` when the best evaluation did not cover every client, else empty."""
+    best = next((h for h in summary.get("history") or [] if h.get("round") == summary.get("best_accuracy_round")), {})
+    covered = best.get("evaluated_clients")
+    return "" if covered is None else f", clients {', '.join(map(str, covered))} of {summary.get('num_clients')}"
+
+
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     """One plot per metric with one line per run, plus a markdown table of final values."""
     summaries = {d: _summary(d) for d in run_dirs}
@@ -238,7 +257,8 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
              "|---|---|---|---|---|---|---|"]
     for label, (_, s) in runs.items():
         f = s["final"]
-        lines.append(f"| {label} | {s['algorithm']} | {s['rounds_run']} | {f['accuracy']:.4f} | {f['psi_paper']:.4g} "
+        rounds = f"{s['rounds_run']} (clients left out)" if has_missing_clients(s) else s["rounds_run"]
+        lines.append(f"| {label} | {s['algorithm']} | {rounds} | {f['accuracy']:.4f} | {f['psi_paper']:.4g} "
                      f"| {f['accuracy_worst']:.4f} | {_fmt(s.get('epsilon'))} |")
     lines.append("")
     for key, (title, ylabel, log) in SERIES.items():

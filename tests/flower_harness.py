@@ -116,16 +116,18 @@ class InProcessGrid:
     ``silent`` nodes never answer from round ``silent_from`` (a node that died before it released).
     ``lost`` nodes die at round ``silent_from`` and the SuperLink notices, as Flower's does once a
     node misses its heartbeats: it stops listing them and answers their messages itself with a
-    ``NODE_UNAVAILABLE`` error.
+    ``NODE_UNAVAILABLE`` error. ``restarts`` maps a lost node to the new node id it comes back
+    under right after (same node config, hence the same partition, state file and ledger).
     """
 
     def __init__(self, node_configs: dict[int, dict], silent: set[int] = frozenset(), silent_from: int = 0,
-                 lost: set[int] = frozenset(), restart_before: set[int] = frozenset()) -> None:
+                 lost: set[int] = frozenset(), restart_before: set[int] = frozenset(),
+                 restarts: dict[int, int] | None = None) -> None:
         from flwr.supercore.task_identity import TaskIdentity
 
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
         self.node_configs, self.silent, self.silent_from = node_configs, set(silent), silent_from
-        self.lost, self.gone = set(lost), set()
+        self.lost, self.gone, self.restarts = set(lost), set(), dict(restarts or {})
         self.restart_before, self.restarted = set(restart_before), set()
         self.contexts: dict[int, object] = {}
         self.replies: dict[str, object] = {}
@@ -161,6 +163,8 @@ class InProcessGrid:
             late = train and round_idx >= self.silent_from
             if node in self.lost and late:
                 self.gone.add(node)
+                if node in self.restarts:  # back under a new id: listed from the next call on
+                    self.node_configs.setdefault(self.restarts[node], self.node_configs[node])
                 reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"),
                                 reply_to=message)
                 reply.metadata.__dict__["_src_node_id"] = 1  # the SuperLink answers, not the node
@@ -207,7 +211,10 @@ class Deployment:
         self.certs = self.root / "certs"
         self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0",
                     "FLWR_DISABLE_UPDATE_CHECK": "1", "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE",
-                    "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+                    "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                    # the ServerApp and ClientApp processes import this checkout's fedfdp, not whichever
+                    # checkout the environment's editable install points at
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         self.env.pop("FEDFDP_RUN_DIR", None)
         if self.tls:
             self._make_certificates()

@@ -136,3 +136,17 @@ def assert_matches(result, ref: torch.Tensor, weights: torch.Tensor, rtol: float
     torch.testing.assert_close(result.norms, ref.norm(dim=1), rtol=rtol, atol=atol)
     summed = torch.cat([g.flatten() for g in result.weighted_sum(weights)])
     torch.testing.assert_close(summed, weights @ ref, rtol=rtol, atol=atol)
+
+
+def dir_state(root: Any) -> dict[str, tuple[int, int, str]]:
+    """Every file under ``root`` (recursively) by relative path: size, mtime (ns) and sha256 of its bytes.
+
+    What "a refused start changes no file" compares before and after (the lock file ``run.lock``
+    that a start creates and removes around its checks is absent from both).
+    """
+    import hashlib
+    from pathlib import Path
+
+    root = Path(root)
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}

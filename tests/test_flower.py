@@ -177,6 +177,14 @@ def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
     assert uploaded == [(3, 0, 0), (2, 0, 1), (1, 1, 1)]
     record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]
     assert record["2"]["refused_rounds"] == [3] and record["1"]["dropped"] is True
+    assert record["1"]["missed_rounds"] == [2, 3] and record["2"]["missed_rounds"] == []
+    summary = json.loads((run_dir / "summary.json").read_text())  # the run says who was left out
+    assert summary["status"] == "completed_with_missing_clients"
+    assert summary["missing_clients"] == {"1": [2, 3], "2": [3]} and summary["refused_clients"] == {"2": [3]}
+    assert summary["evaluated_clients"] == [0, 2]  # client 1's node never answered the evaluation
+    report = (run_dir / "report.md").read_text().splitlines()[:10]
+    assert any("client 1 left out of rounds 2-3" in line for line in report), report
+    assert any("cover clients 0, 2 (2 of 3); client 1 did not answer" in line for line in report), report
     for cid in range(3):  # the server counted exactly what each client charged itself
         own = NodeLedger(ledgers, cid, target_epsilon=None).epsilon()
         assert record[str(cid)]["epsilon_server_view"] == pytest.approx(own, rel=1e-12)
@@ -205,3 +213,64 @@ def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):
                                                "run-dir": str(tmp_path / "flower")})
     with pytest.raises(ConfigError, match=r"cannot take part: .*num-partitions=4 but the run's data.num_clients=3"):
         run_server(InProcessGrid(nodes), settings)  # type: ignore[arg-type]
+
+
+def test_a_restarted_node_takes_its_client_back_at_the_next_round(tmp_path, caplog):
+    """DP-SCAFFOLD: client 1's node is lost in round 2 and comes back under a new node id with the same
+    partition, state file and ledger: it trains again from round 3 on, from its state after round 1."""
+    ledgers = tmp_path / "ledgers"
+    grid = InProcessGrid(grid_nodes(ledgers), lost={101}, silent_from=1, restarts={101: 111})
+    overrides = OVERRIDES.replace(f"--model.num_rounds {ROUNDS}", "--model.num_rounds 4")
+    settings = ServerSettings.from_run_config({"config": str(CONFIGS["dpscaffold"]), "overrides": overrides,
+                                               "run-dir": str(tmp_path / "flower"), "round-timeout": 5.0})
+    with caplog.at_level("WARNING"):
+        run_dir = run_server(grid, settings)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert [m for m in lines if m.startswith("client 1: SuperNode 111 now serves partition-id=1 (SuperNode 101 "
+                                             "stopped answering in round 2)")], lines
+    assert "client 1 was left out of round 2 of 4" in lines
+    assert sorted({e.round for e in LedgerFile(ledger_path(ledgers, 1)).read()}) == [0, 2, 3]
+    assert [float(r["clients_uploaded"]) for r in upload_rows(run_dir)] == [3, 2, 3, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed_with_missing_clients" and summary["missing_clients"] == {"1": [2]}
+    assert summary["evaluated_clients"] == [0, 1, 2] and summary["refused_clients"] == {}
+    record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]["1"]
+    assert record["node_ids"] == [101, 111] and record["missed_rounds"] == [2] and record["dropped"] is False
+    own = NodeLedger(ledgers, 1, target_epsilon=None).epsilon()
+    assert record["epsilon_server_view"] == pytest.approx(own, rel=1e-12)
+
+
+def _info(partition: int, train: int = 10) -> protocol.NodeDescription:
+    return protocol.NodeDescription(partition=partition, num_partitions=2, train_size=train, test_size=5, val_size=0,
+                                    target_epsilon=None, secure_rng=True, epsilon=0.0)
+
+
+def test_the_roster_keeps_a_serving_node_and_takes_a_restarted_one_deterministically(caplog):
+    from fedfdp.flower.roster import NodeRoster
+
+    roster = NodeRoster({0: 10, 1: 11}, {0: _info(0), 1: _info(1)})
+    answers = {20: _info(1), 21: _info(1, train=99), 22: "node-config num-partitions=4 ..."}
+    asked: list[list[int]] = []
+
+    def describe(new):
+        asked.append(new)
+        return {n: answers[n] for n in new if n in answers}
+
+    with caplog.at_level("WARNING", logger="fedfdp.flower.strategy"):
+        roster.refresh({10, 11, 20, 21, 22}, describe, "round 2")  # two live nodes for partition 1: 11 keeps it
+        assert roster.live(1) == 11 and asked == [[20, 21, 22]]
+        roster.fail(11, "round 2")
+        roster.refresh({10, 11, 20, 21, 22}, describe, "round 3")  # 11 failed: 20 takes over, 21 (other data) never
+        assert roster.live(1) == 20 and roster.served_by[1] == [11, 20] and asked == [[20, 21, 22]]
+        roster.fail(20, "round 3")
+        roster.refresh({10, 11, 20}, describe, "round 4")
+        assert roster.live(1) is None and roster.without_node() == [1]
+        roster.refresh({10}, describe, "round 5")  # 11 and 20 left the list: forgotten, asked again if they return
+        roster.refresh({10, 20}, describe, "round 6")
+        assert roster.live(1) == 20 and asked[-1] == [20]
+    lines = [r.getMessage() for r in caplog.records]
+    assert "SuperNodes 11 and 20 both hold partition-id=1: 11 serves it while it answers; 20 is used only if 11 is " \
+           "lost" in lines
+    assert any("SuperNode 21 connected for partition-id=1 but is not used" in m and "not the same data" in m
+               for m in lines)
+    assert any(m.startswith("SuperNode 22 connected during the run but cannot take part") for m in lines)

@@ -8,7 +8,9 @@ evaluation and every client's ε; with ``--flower-all-algorithms`` every registe
 (tests/algorithm_cases.py). On a TLS SuperLink with SuperNode authentication an unregistered node
 is rejected, a client refuses the round that would exceed its own target ε, and a SuperNode
 SIGKILLed mid-round leaves the round to the others with no ledger charged for the release it
-never made. The connection preflight names a TLS/insecure mismatch in one line.
+never made. A SuperNode killed after round 1 of 3 and restarted with the same partition comes
+back under a new node id and trains again from round 3; summary.json lists round 2 as missed.
+The connection preflight names a TLS/insecure mismatch in one line.
 """
 
 from __future__ import annotations
@@ -181,7 +183,68 @@ def test_killed_supernode_leaves_the_round_to_the_others_and_its_ledger_uncharge
     assert record["1"]["epsilon_server_view"] == pytest.approx(own.epsilon(), rel=1e-12)
     model = global_model(run_dir)
     assert all(bool(torch.isfinite(v).all()) for v in model.values())
-    assert not math.isnan(json.loads((run_dir / "summary.json").read_text())["final"]["accuracy"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert not math.isnan(summary["final"]["accuracy"])
+    assert summary["status"] == "completed_with_missing_clients"  # never restarted: out of rounds 2-3 and the evaluation
+    assert summary["missing_clients"] == {"1": [2, 3], "2": [3]} and summary["evaluated_clients"] == [0, 2]
+
+
+# ---- a SuperNode killed and restarted for the same partition takes its client back ------------------
+KILL_AFTER = 1  # of ROUNDS (3): client 1 misses round 2 and is back for round 3
+
+
+@pytest.mark.flower
+def test_a_restarted_supernode_takes_its_client_back_and_the_run_says_what_it_missed(federation, tmp_path):
+    """DP-SCAFFOLD over 3 real SuperNodes for 3 rounds: client 1's SuperNode is SIGKILLed as round 2 reaches it
+    (after round 1) and restarted 5 s later with the same node config (partition, ledger and state files):
+    it comes back under a new node id, misses round 2 only, trains round 3 from its state after round 1
+    (its control variate), and summary.json says so (status completed_with_missing_clients,
+    missing_clients {"1": [2]})."""
+    import threading
+
+    ledger1 = ledger_path(federation.root / "ledgers", 1)
+    charged = len(ledger1.read_text().splitlines()) if ledger1.exists() else 0  # earlier runs on this node
+    config1 = node_config(partition_id=1, num_partitions=3, ledger_dir=str(federation.root / "ledgers"),
+                          secure_rng=False, target_epsilon=1000.0)
+    events: dict = {}
+
+    def kill_and_restart() -> None:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and (not ledger1.exists()
+                                               or len(ledger1.read_text().splitlines()) < charged + KILL_AFTER):
+            time.sleep(0.05)  # one release per round in the tiny DP-SCAFFOLD config
+        before = set(federation.processes_in_group("node1", "flwr-clientapp"))
+        while time.monotonic() < deadline:
+            if set(federation.processes_in_group("node1", "flwr-clientapp")) - before:
+                federation.kill_group("node1")
+                events["killed"] = time.monotonic()
+                time.sleep(5.0)
+                federation.start_supernode("node1-restarted", config1)
+                events["restarted"] = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    run_dir = tmp_path / "run"
+    thread = threading.Thread(target=kill_and_restart, daemon=True)
+    thread.start()
+    run = federation.run_app(f"config='{CONFIGS['dpscaffold']}' overrides='{OVERRIDES}' run-dir='{run_dir}' "
+                             f"round-timeout=300.0 straggler-timeout=45.0")
+    thread.join(timeout=30)
+    assert "killed" in events and "restarted" in events, "client 1's SuperNode was not killed and restarted"
+    assert run.status == "finished:completed", run.output[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed_with_missing_clients", summary["status"]
+    assert summary["missing_clients"] == {"1": [KILL_AFTER + 1]} and summary["refused_clients"] == {}
+    assert summary["evaluated_clients"] == [0, 1, 2] and summary["rounds_run"] == ROUNDS
+    uploaded = [float(r["clients_uploaded"]) for r in upload_rows(run_dir)]
+    assert uploaded == [3, 2, 3]
+    own = [e for e in LedgerFile(ledger1).read() if e.run == run.run_id]
+    assert [e.round for e in own] == [0, 2]  # round 2 never released, round 3 on the restarted node
+    record = json.loads((run_dir / DEPLOYMENT_RECORD).read_text())["clients"]["1"]
+    assert len(record["node_ids"]) == 2 and record["node_id"] == record["node_ids"][1] != record["node_ids"][0]
+    assert record["missed_rounds"] == [KILL_AFTER + 1] and record["dropped"] is False
+    assert "client 1 left out of round 2 " in (run_dir / "report.md").read_text()
+    (federation.root / "restart.json").write_text(json.dumps({"flower_seconds": run.seconds}))
 
 
 # ---- the connection preflight: a TLS/insecure mismatch named in one line, in seconds ---------------

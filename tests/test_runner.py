@@ -40,16 +40,21 @@ def no_launch(monkeypatch):
 
 
 class FakeFit:
-    """Stands in for ``subprocess.run``: records each launch, writes ``output`` to the log, exits ``code``."""
+    """Stands in for ``subprocess.run``: records each launch, writes ``output`` to the log, exits ``code``;
+    with ``start`` it writes the run directory's ``config.yaml`` (the fit started), with ``finish`` a summary."""
 
-    def __init__(self, code=0, output="", finish=False):
-        self.code, self.output, self.finish, self.calls = code, output, finish, []
+    def __init__(self, code=0, output="", finish=False, start=False):
+        self.code, self.output, self.finish, self.start, self.calls = code, output, finish, start, []
 
     def __call__(self, cmd, stdout, stderr, env):
         self.calls.append((cmd, env))
         stdout.write(self.output)
+        run_dir = Path(cmd[cmd.index("--run_dir") + 1])
+        if self.start:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(f"started {len(self.calls)}\n")
         if self.finish:
-            _summary(Path(cmd[cmd.index("--run_dir") + 1]), rounds=2, planned=2)
+            _summary(run_dir, rounds=2, planned=2)
         return subprocess.CompletedProcess(cmd, self.code)
 
 
@@ -88,7 +93,7 @@ def test_command_seeds_nices_and_resumes_from_the_last_checkpoint(tmp_path):
 
 
 def test_a_launch_writes_its_config_log_and_harness_and_reports_failure(tmp_path, monkeypatch):
-    fake = FakeFit(code=3, output="starting\nerror: boom\nTraceback tail\n")
+    fake = FakeFit(code=3, output="starting\nerror: boom\nTraceback tail\n", start=True)
     monkeypatch.setattr(subprocess, "run", fake)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("WANDB_MODE", "online")
@@ -191,6 +196,8 @@ def test_the_commands_report_a_failed_run_in_one_error_line(tmp_path, monkeypatc
     assert (tmp_path / "rc" / "configs" / "digits_rcdpfl_eps5_s1.yaml").exists()
     assert main(["finp-table", "--rows", "baseline", "finp_pca", "--seeds", "0", "--out", str(tmp_path / "f")]) == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    log = tmp_path / "f" / "baseline" / "seed0" / "fit.log"
-    assert error.startswith("error: finp-table: ") and error.endswith(f"(see {log})")
+    log = Path(error.rsplit("(see ", 1)[1].rstrip(")"))  # the fit did not start: its output is kept outside
+    assert error.startswith("error: finp-table: ") and "error: data not found" in error
+    assert not log.is_relative_to(tmp_path / "f") and "error: data not found" in log.read_text()
+    assert not (tmp_path / "f" / "baseline" / "seed0").exists()
     assert len(fake.calls) == 3

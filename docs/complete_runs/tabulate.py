@@ -10,8 +10,8 @@ and by PRV (recomputed from the ledger with Opacus' PRVAccountant; "—" for a r
 which models that ε covers (``yes``: every evaluated model; ``NO, ...``: the run releases privately
 but evaluates models trained on raw data, e.g. DP-Ditto's personal models kept on the client;
 ``not DP``), rounds, wall time. Only complete runs are tabulated: a seed whose summary says it
-did not complete (``status`` not ``completed``/``budget_spent``, or fewer rounds than planned) is
-left out and named in a comment line.
+did not complete (``status`` not ``completed``/``budget_spent``, fewer rounds than planned, or
+clients left out of rounds or of the final evaluation) is left out and named in a comment line.
 ``--plot PNG`` also draws worst-client against pooled accuracy (means of the last 5 evaluations),
 one point per method, error bars one standard deviation over its seeds.
 ``--majority LABEL=CONFIG`` adds a row computed without training: each client predicts the most
@@ -30,6 +30,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from fedfdp.participation import has_missing_clients
 from fedfdp.privacy.accounting import DPEvent, prv_epsilon
 
 
@@ -45,7 +46,11 @@ def _prv(run_dir: Path, delta: float) -> float:
 
 
 def complete(summary: dict) -> bool:
-    """Whether a run ran to its end (its round count or its privacy budget)."""
+    """Whether a run ran to its end (its round count or its privacy budget) with every client: a run
+    with clients left out of rounds or of its final evaluation (``completed_with_missing_clients``,
+    ``missing_clients``, ``evaluated_clients``) is not complete."""
+    if has_missing_clients(summary):
+        return False
     if "status" in summary:
         return summary["status"] in ("completed", "budget_spent")
     return summary["rounds_run"] >= summary["rounds_planned"]  # summaries written before ``status``

@@ -20,7 +20,7 @@ from fedfdp.runlog import RunCSVLogger
 
 logger = logging.getLogger("fedfdp")
 
-__all__ = ["WandbMode", "finish_wandb", "run_loggers", "wandb_mode"]
+__all__ = ["WandbMode", "finish_wandb", "run_loggers", "start_wandb", "wandb_mode"]
 
 WandbMode = Literal["auto", "online", "offline", "disabled"]
 #: Values of ``WANDB_MODE`` that W&B itself accepts.
@@ -81,35 +81,84 @@ def run_loggers(run_dir: Path, config: Any) -> list[Logger]:
     loggers: list[Logger] = [RunCSVLogger(save_dir=str(run_dir), name="", version="")]
     mode = wandb_mode(config["wandb"])
     if mode != "disabled":
-        from lightning.pytorch.loggers import WandbLogger
-
         os.environ.setdefault("WANDB_SILENT", "true")
         configs = config.get("config") or []
         group = config.get("wandb_group") or (Path(str(configs[-1])).stem if configs else None)
-        run_id, name = _wandb_run_id(run_dir), run_dir.name
+        base_id = run_id = _wandb_run_id(run_dir)
+        name = run_dir.name
         if mode in ("offline", "dryrun"):
             segments = len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}*")))
             if segments:
                 run_id, name = f"{run_id}-r{segments}", f"{name} (resumed {segments})"
-        loggers.append(WandbLogger(project=config["wandb_project"], save_dir=str(run_dir), group=group,
-                                   name=name, mode=mode, id=run_id, resume="allow"))
+        loggers.append(_run_wandb_logger()(run_dir / _WANDB_ID_FILE, base_id, project=config["wandb_project"],
+                                           save_dir=str(run_dir), group=group, name=name, mode=mode, id=run_id,
+                                           resume="allow"))
         logger.info("W&B logging in %s mode (run id %s)", mode, run_id)
     return loggers
 
 
+_WANDB_ID_FILE = "wandb_run_id"
+
+
 def _wandb_run_id(run_dir: Path) -> str:
-    """A W&B run id stored in the run directory, so a resumed run continues the same W&B run."""
-    path = run_dir / "wandb_run_id"
+    """The W&B run id stored in the run directory (a resumed run continues the same W&B run), or a new
+    one; written by :func:`start_wandb` once training starts (a refused start writes nothing)."""
+    path = run_dir / _WANDB_ID_FILE
     if path.exists():
         return path.read_text().strip()
-    run_id = uuid.uuid4().hex[:8]
-    path.write_text(run_id)
-    return run_id
+    return uuid.uuid4().hex[:8]
+
+
+def start_wandb(loggers: list[Logger], rank_zero: bool) -> None:
+    """Let the run's W&B logger start its W&B run (training starts); rank 0 stores a new run id."""
+    for lg in loggers:
+        if hasattr(lg, "start_run"):
+            lg.start_run(rank_zero)
+
+
+def _run_wandb_logger() -> type[Logger]:
+    """``RunWandbLogger``, defined on first use (W&B's logger is only imported when W&B is on)."""
+    global _RUN_WANDB_LOGGER
+    if _RUN_WANDB_LOGGER is not None:
+        return _RUN_WANDB_LOGGER
+    from lightning.pytorch.loggers import WandbLogger
+
+    class RunWandbLogger(WandbLogger):
+        """W&B's logger whose W&B run, and its files under ``<run_dir>/wandb``, start with training.
+
+        Lightning creates every logger's experiment while fitting sets up, before a resume's last
+        checks (the checkpoint's round, the privacy budget) can refuse it, and a refused start must
+        change no file of the run directory: until :meth:`start_run` the experiment is unavailable
+        (``hasattr(logger, "experiment")`` is false, so Lightning's set-up skips it).
+        """
+
+        def __init__(self, id_file: Path, base_id: str, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._id_file, self._base_id, self._run_started = id_file, base_id, False
+
+        def start_run(self, rank_zero: bool) -> None:
+            self._run_started = True
+            if rank_zero and not self._id_file.exists():
+                self._id_file.write_text(self._base_id)
+
+        @property
+        def experiment(self) -> Any:
+            if not self._run_started:
+                raise AttributeError("the W&B run starts when training starts")
+            return WandbLogger.experiment.fget(self)  # type: ignore[attr-defined]
+
+    _RUN_WANDB_LOGGER = RunWandbLogger
+    return RunWandbLogger
+
+
+#: the run's W&B logger class (set by :func:`_run_wandb_logger`)
+_RUN_WANDB_LOGGER: type[Logger] | None = None
 
 
 def finish_wandb(cli: Any, failed: bool) -> None:
     """Close the W&B run that ``cli``'s trainer opened, so a later run in the same process gets its own."""
     trainer = getattr(cli, "trainer", None)
     for lg in getattr(trainer, "loggers", None) or []:
-        if type(lg).__name__ == "WandbLogger" and getattr(lg, "_experiment", None) is not None:
+        is_wandb = any(cls.__name__ == "WandbLogger" for cls in type(lg).__mro__)  # RunWandbLogger too
+        if is_wandb and getattr(lg, "_experiment", None) is not None:
             lg.experiment.finish(exit_code=1 if failed else 0)

@@ -39,7 +39,7 @@ from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
 from fedfdp.cli.errors import explain_parse_error, one_line
 from fedfdp.cli.log_setup import is_launched_process
-from fedfdp.cli.loggers import WandbMode, run_loggers
+from fedfdp.cli.loggers import WandbMode, run_loggers, start_wandb
 from fedfdp.cli.rundir_guard import RunDirGuard
 from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_OPTIONS, check_trainer_options
 from fedfdp.errors import ConfigError, require
@@ -67,7 +67,8 @@ class ConfigToLoggers(SaveConfigCallback):
         """Nothing yet: see :meth:`on_train_start`."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write ``config.yaml`` and log the config, now that every check has passed."""
+        """Write ``config.yaml`` (and a new W&B run id) and log the config, now that every check has passed."""
+        start_wandb(trainer.loggers, trainer.is_global_zero)  # W&B writes its files from here on
         full = self.config
         self.config = full.clone()
         if "ckpt_path" in self.config:
@@ -202,7 +203,7 @@ class FedFDPCLI(LightningCLI):
         (:class:`fedfdp.rundir.RunLock`, held by :class:`RunDirGuard` until fitting ends) and the
         checks are repeated under the lock. Processes that Lightning's DDP launcher starts for
         ranks > 0 use rank 0's directory and neither check nor lock it. Nothing else is written
-        here (but a W&B run's id, :meth:`_loggers`): ``config.yaml`` is written when training
+        here: ``config.yaml`` and a new W&B run id are written when training
         starts (:class:`ConfigToLoggers`), metrics, checkpoints and the summary as rounds finish,
         so a start refused later (bad data, spent budget) leaves an existing run directory as it
         was, and removes one it created.

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
-from fedfdp.experiments.results import read_summary
+from fedfdp.experiments.results import finished_summary
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.privacy.sia_metrics import convergence_round
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             print_command(runner.command(spec))
         return 0
     for result in runner.run_all(specs.values()):
-        if result.status == "failed":
+        if result.status in ("failed", "incomplete"):
             message(f"error: finp-table: {result.spec.run_dir} failed (exit {result.returncode}): "
                     f"{last_error_line(result.log)} (see {result.log})")
             return result.returncode
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
              "|---|" + "---|" * len(COLUMNS)]
     records = []
     for name in rows:
-        summaries = [read_summary(specs[name, s].run_dir) for s in seeds]
-        if any(summary is None for summary in summaries):
-            message(f"error: finp-table: no summary.json in {out / name} for every seed {' '.join(map(str, seeds))}")
+        summaries = [finished_summary(specs[name, s].run_dir) for s in seeds]
+        if any(summary is None for summary in summaries):  # only complete runs are tabulated
+            message(f"error: finp-table: no finished run in {out / name} for every seed {' '.join(map(str, seeds))}")
             return 1
         values = [row_values(summary) for summary in summaries]
         mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)

@@ -25,7 +25,8 @@ import yaml
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import (
-    finished_summary, format_mean_std, group_rows, is_finished, mean_std, read_summary, recorded_wall_seconds,
+    ended_with_missing_clients, finished_summary, format_mean_std, group_rows, is_finished, mean_std, read_summary,
+    recorded_wall_seconds,
 )
 from fedfdp.experiments.runner import RunSpec, Runner
 
@@ -294,6 +295,9 @@ def run_table(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:  # the commands only: nothing is run or written
         for run in todo:
+            if ended_with_missing_clients(run.summary()):  # the runner would not run it again
+                message(f"error: {run.run_dir} ran every round with clients left out: not run again")
+                continue
             print_command(fit_command(run, args.fit_args or [], args.nice))
         return 0
     failed = 0
@@ -306,7 +310,8 @@ def run_table(args: argparse.Namespace) -> int:
             results = [result for group in by_method.values() for result in runner(args.nice).run_sweep(group)]
         else:
             results = list(runner(args.nice).run_all(specs, jobs=args.jobs))
-        failed = sum(result.status == "failed" for result in results)
+        # incomplete: clients left out, not tabulated
+        failed = sum(result.status in ("failed", "incomplete") for result in results)
     rows = collect(runs)
     if not rows:
         message(f"error: paper-{args.table}: none of the {len(runs)} runs under {out / args.table} has finished, so "

@@ -30,7 +30,7 @@ import yaml
 
 from fedfdp.errors import ConfigError
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
-from fedfdp.experiments.results import format_mean_std, group_rows, read_summary
+from fedfdp.experiments.results import finished_summary, format_mean_std, group_rows
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
@@ -180,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
                 except ConfigError as err:
                     message(f"error: rcdpfl-table: {name}: {err}")
                     return 2
-                summary = read_summary(spec.run_dir)
-                if result.status == "failed" or summary is None:  # keep going: one failed run must not lose the others
+                summary = finished_summary(spec.run_dir)  # only complete runs are tabulated
+                # keep going: one failed (or incomplete) run must not lose the others
+                if result.status in ("failed", "incomplete") or summary is None:
                     message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
                             f"(see {result.log})")
                     failed += 1

@@ -1,7 +1,10 @@
 """Read finished runs back and tabulate them: what the experiment commands share after launching.
 
 * :func:`read_summary` / :func:`is_finished` / :func:`finished_summary`: a run's ``summary.json``
-  and whether the run is done (status ``completed`` or ``budget_spent``, every planned round run).
+  and whether the run is done (status ``completed`` or ``budget_spent``, every planned round run,
+  every sampled client in every round and every client in the final evaluation);
+  :func:`ended_with_missing_clients`: a run that ran every round but left clients out (a
+  deployment's lost nodes): not finished, not tabulated, and not run again by the harness.
 * :func:`read_metrics`: the rows of a run's ``metrics.csv``.
 * :func:`recorded_wall_seconds`: the wall time the runner recorded in ``harness.json``.
 * :func:`mean_std`, :func:`format_mean_std`, :func:`group_rows`: mean ± std over seeds.
@@ -17,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FINISHED_STATUSES", "finished_summary", "format_mean_std", "group_rows", "is_finished", "mean_std",
-           "read_metrics", "read_summary", "recorded_wall_seconds"]
+from fedfdp.participation import MISSING_CLIENTS_STATUSES, has_missing_clients
+
+__all__ = ["FINISHED_STATUSES", "ended_with_missing_clients", "finished_summary", "format_mean_std", "group_rows",
+           "is_finished", "mean_std", "read_metrics", "read_summary", "recorded_wall_seconds"]
 
 #: ``summary.json`` statuses of a run that ended as planned (:data:`callbacks.summary.STATUSES`).
 FINISHED_STATUSES = ("completed", "budget_spent")
@@ -34,14 +39,28 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def is_finished(summary: Mapping[str, Any] | None) -> bool:
-    """Whether a summary is that of a finished run: every planned round run, status finished.
+    """Whether a summary is that of a finished run: every planned round run, status finished, no
+    client left out of a round or of the final evaluation (:func:`fedfdp.participation.has_missing_clients`).
 
     Summaries written before ``status`` existed count by their rounds alone.
     """
     if summary is None:
         return False
     done = summary.get("rounds_run", 0) >= summary.get("rounds_planned", 1)
-    return done and summary.get("status", FINISHED_STATUSES[0]) in FINISHED_STATUSES
+    status = summary.get("status", FINISHED_STATUSES[0])
+    return done and status in FINISHED_STATUSES and not has_missing_clients(summary)
+
+
+def ended_with_missing_clients(summary: Mapping[str, Any] | None) -> bool:
+    """Whether a run ran every planned round but left clients out (status ``*_with_missing_clients``).
+
+    Such a run cannot be completed by a resume (the rounds happened without those clients) and is
+    not a complete run: the harness neither tabulates it nor runs it again (move it aside to).
+    """
+    if summary is None or summary.get("rounds_run", 0) < summary.get("rounds_planned", 1):
+        return False
+    status = summary.get("status", FINISHED_STATUSES[0])
+    return status in MISSING_CLIENTS_STATUSES or (status in FINISHED_STATUSES and has_missing_clients(summary))
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -4,16 +4,24 @@ Every experiment command (``finp-table``, ``rcdpfl-table``, ``paper-table*``, ``
 runs as :class:`RunSpec` values and hands them to a :class:`Runner`, which for each run
 
 * skips it when its ``summary.json`` says it finished (:func:`fedfdp.experiments.results.is_finished`:
-  status ``completed`` or ``budget_spent``);
+  status ``completed`` or ``budget_spent``, no client left out);
+* leaves alone, with one ``error:`` line, a run that ran every round with clients left out
+  (``*_with_missing_clients``: a resume cannot add them; result ``incomplete``), and a run
+  directory another process holds (result ``failed``);
 * resumes it with ``--ckpt_path last`` when it has ``checkpoints/last.ckpt``;
 * moves a run that left results but no checkpoint (stopped before its first checkpoint) aside
   to ``<run_dir>.stale-<unix time>`` and starts it again (``fedfdp.fit`` refuses to start over
-  results);
-* otherwise starts it: writes its config when the spec makes one (:attr:`RunSpec.make_config`),
-  then runs one subprocess ``[nice -n N] python -m fedfdp.fit --config C --run_dir D
-  [--seed_everything K] ARGS [--ckpt_path last]`` with its output appended to
-  ``<run_dir>/fit.log``, and writes the command, exit status and wall time to
-  ``<run_dir>/harness.json``.
+  results), and moves it back if the fit then refuses to start;
+* otherwise starts it: one subprocess ``[nice -n N] python -m fedfdp.fit --config C --run_dir D
+  [--seed_everything K] ARGS [--ckpt_path last]``.
+
+Like ``fedfdp.fit``, the runner changes no file of the run directory before the fit has accepted
+the start (:mod:`fedfdp.experiments.staging`): a config the spec makes (:attr:`RunSpec.make_config`)
+for a file inside the run directory, and the fit's output, are staged outside it; once the fit
+has changed the run directory the config takes its place, the output is appended to
+``<run_dir>/fit.log`` (and goes there from then on), and the command, exit status and wall time
+are written to ``<run_dir>/harness.json``. A fit that refused leaves them out
+(:attr:`RunResult.log` is then a file in the system's temporary folder).
 
 Reading the results back and tabulating them is :mod:`fedfdp.experiments.results`.
 """
@@ -25,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +43,11 @@ from typing import Any, Literal
 
 import yaml
 
-from fedfdp.experiments.results import is_finished, read_summary
-from fedfdp.rundir import run_files
+from fedfdp.errors import ConfigError
+from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary
+from fedfdp.experiments.staging import StagedOutput, snapshot
+from fedfdp.participation import rounds_phrase
+from fedfdp.rundir import RunLock, run_files
 
 __all__ = ["DEFAULT_ENV", "RunResult", "RunSpec", "Runner", "last_error_line"]
 
@@ -54,8 +66,9 @@ class RunSpec:
         config: the config file (``--config``).
         seed: ``--seed_everything`` (None: the config's).
         args: further ``fedfdp.fit`` arguments (overrides), after the seed.
-        make_config: when given, its result is written as YAML to ``config`` just before the
-            run starts (not for a finished run, nor for a dry run).
+        make_config: when given, its result is the YAML of ``config`` for the run (not made for
+            a finished run, nor for a dry run): written before the launch when ``config`` is
+            outside the run directory, else staged and put in place once the fit has started.
     """
 
     run_dir: Path
@@ -67,13 +80,15 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What became of one run: ``skipped`` (already finished), ``ran`` (exit 0) or ``failed``."""
+    """What became of one run: ``skipped`` (already finished), ``ran`` (exit 0), ``failed``, or
+    ``incomplete`` (it ran every round with clients left out: not run again, not a finished run)."""
 
     spec: RunSpec
-    status: Literal["skipped", "ran", "failed"]
+    status: Literal["skipped", "ran", "failed", "incomplete"]
     returncode: int = 0
     wall_seconds: float = 0.0
     summary: dict[str, Any] | None = None
+    log_file: Path | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,8 +97,8 @@ class RunResult:
 
     @property
     def log(self) -> Path:
-        """The run's ``fit.log``."""
-        return self.spec.run_dir / "fit.log"
+        """The run's ``fit.log``, or where the output of a fit that refused to start was kept."""
+        return self.log_file or self.spec.run_dir / "fit.log"
 
 
 def last_error_line(log: Path) -> str:
@@ -115,10 +130,12 @@ class Runner:
     env_defaults: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ENV))
     niceness: int = 0
 
-    def command(self, spec: RunSpec) -> list[str]:
-        """The command line of ``spec`` as it would run now (resuming when it has a checkpoint)."""
+    def command(self, spec: RunSpec, config: Path | None = None) -> list[str]:
+        """The command line of ``spec`` as it would run now (resuming when it has a checkpoint);
+        ``config``: the file the fit reads instead of ``spec.config`` (a staged one)."""
         cmd = ["nice", "-n", str(self.niceness)] if self.niceness else []
-        cmd += [sys.executable, "-m", "fedfdp.fit", "--config", str(spec.config), "--run_dir", str(spec.run_dir)]
+        cmd += [sys.executable, "-m", "fedfdp.fit", "--config", str(config or spec.config), "--run_dir",
+                str(spec.run_dir)]
         if spec.seed is not None:
             cmd += ["--seed_everything", str(spec.seed)]
         cmd += list(spec.args)
@@ -127,31 +144,154 @@ class Runner:
         return cmd
 
     def pending(self, specs: Iterable[RunSpec]) -> list[RunSpec]:
-        """The runs of ``specs`` that have not finished."""
-        return [spec for spec in specs if not is_finished(read_summary(spec.run_dir))]
+        """The runs of ``specs`` that have not finished (and did not end with clients left out)."""
+        return [spec for spec in specs if not is_finished(summary := read_summary(spec.run_dir))
+                and not ended_with_missing_clients(summary)]
 
     def run(self, spec: RunSpec) -> RunResult:
-        """Run (or resume) one run; skip it when it has finished."""
-        summary = read_summary(spec.run_dir)
-        if is_finished(summary):
-            logger.info("skip %s (finished)", spec.run_dir)
-            return RunResult(spec, "skipped", summary=summary)
-        self._prepare(spec)
-        cmd = self.command(spec)
+        """Run (or resume) one run; skip it when it has finished. Changes no file of the run directory
+        unless the fit starts (module docstring)."""
+        early = self._refusal(spec)
+        if early is not None:
+            return early
+        stale = self._move_aside(spec)
+        with tempfile.TemporaryDirectory(prefix="fedfdp-launch-") as tmp:
+            return self._launch(spec, Path(tmp), stale)
+
+    def _launch(self, spec: RunSpec, tmp: Path, stale: Path | None) -> RunResult:
+        """Launch the fit with its config and output staged in ``tmp``; commit them if it started."""
+        config = self._config(spec, tmp)
+        cmd = self.command(spec, config)
         logger.info("%s", " ".join(cmd))
+        before = snapshot(spec.run_dir)
+        output = StagedOutput(tmp / "fit.log", spec.run_dir / "fit.log", lambda: snapshot(spec.run_dir) != before)
         start = time.perf_counter()
-        with open(spec.run_dir / "fit.log", "a") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._environment())
+        try:
+            proc = subprocess.run(cmd, stdout=output.stdout, stderr=subprocess.STDOUT, env=self._environment())
+        finally:
+            started = output.finish()
         wall = time.perf_counter() - start
-        (spec.run_dir / "harness.json").write_text(json.dumps({"command": cmd, "returncode": proc.returncode,
-                                                               "wall_seconds": wall}, indent=1))
         status: Literal["ran", "failed"] = "ran" if proc.returncode == 0 else "failed"
+        if not started:
+            if stale is not None:
+                _move_back(stale, spec.run_dir)
+            kept = output.keep(spec.run_dir.name)
+            logger.error("FAILED %s (exit %d): the fit did not start and nothing there was changed; its output: %s",
+                         spec.run_dir, proc.returncode, kept)
+            return RunResult(spec, status, proc.returncode, wall, read_summary(spec.run_dir), log_file=kept)
+        if config != spec.config:  # the staged config takes its place now that the fit has started
+            spec.config.write_text(config.read_text())
+        recorded = [str(spec.config) if c == str(config) else c for c in cmd]
+        (spec.run_dir / "harness.json").write_text(json.dumps({"command": recorded, "returncode": proc.returncode,
+                                                               "wall_seconds": wall}, indent=1))
         if status == "failed":
             logger.error("FAILED %s (exit %d, %.0f s): see %s", spec.run_dir, proc.returncode, wall,
                          spec.run_dir / "fit.log")
         else:
             logger.info("done %s in %.0f s", spec.run_dir, wall)
         return RunResult(spec, status, proc.returncode, wall, read_summary(spec.run_dir))
+
+    def run_sweep(self, specs: Iterable[RunSpec]) -> list[RunResult]:
+        """Fit the unfinished runs of ``specs`` together in this process (:mod:`fedfdp.sweep`).
+
+        The rules of :meth:`run` (skipped, incomplete, busy, moved aside and back, staged config and
+        output, ``harness.json`` once started), one result per spec in order. The runs must share
+        an architecture and an algorithm the sweep can batch (else each fails with the sweep's one
+        ``error:`` line, status 2). A run's log records (from its thread) are staged and appended
+        to its ``fit.log`` once it has started. ``niceness`` and ``env`` apply to separate
+        processes only: a sweep runs in this one.
+        """
+        from fedfdp.sweep import SweepRun, run_sweep
+
+        specs = list(specs)
+        results: dict[RunSpec, RunResult] = {}
+        staged: list[tuple[RunSpec, SweepRun, Path, Path | None, Any]] = []
+        with tempfile.TemporaryDirectory(prefix="fedfdp-sweep-") as tmp:
+            for k, spec in enumerate(specs):
+                early = self._refusal(spec)
+                if early is not None:
+                    results[spec] = early
+                    continue
+                stale = self._move_aside(spec)
+                folder = Path(tmp) / str(k)
+                folder.mkdir()
+                config = self._config(spec, folder)
+                cmd = self.command(spec, config)
+                run = SweepRun(name=str(spec.run_dir), args=cmd[cmd.index("--config"):], log=folder / "fit.log")
+                staged.append((spec, run, config, stale, snapshot(spec.run_dir)))
+            if staged:
+                run_sweep([run for _, run, _, _, _ in staged])
+            for spec, run, config, stale, before in staged:
+                results[spec] = self._commit(spec, run, config, stale, snapshot(spec.run_dir) != before)
+        return [results[spec] for spec in specs]
+
+    def _commit(self, spec: RunSpec, run: Any, config: Path, stale: Path | None, started: bool) -> RunResult:
+        """A sweep's run ended: its config, log and ``harness.json`` into the run directory if it started."""
+        code = 1 if run.status is None else int(run.status)
+        status: Literal["ran", "failed"] = "ran" if code == 0 else "failed"
+        text = run.log.read_text() if run.log is not None and run.log.is_file() else ""
+        if not started:
+            if stale is not None:
+                _move_back(stale, spec.run_dir)
+            kept = Path(tempfile.mkdtemp(prefix="fedfdp-refused-")) / f"{spec.run_dir.name}.fit.log"
+            kept.write_text(text)
+            return RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir), log_file=kept)
+        if config != spec.config:
+            spec.config.write_text(config.read_text())
+        with open(spec.run_dir / "fit.log", "a") as log:
+            log.write(text)
+        args = [str(spec.config) if a == str(config) else a for a in run.args]
+        (spec.run_dir / "harness.json").write_text(json.dumps({"command": ["sweep", *args], "returncode": code,
+                                                               "wall_seconds": run.seconds}, indent=1))
+        return RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir))
+
+    def _refusal(self, spec: RunSpec) -> RunResult | None:
+        """The result of a run that is not launched: finished (skipped), ended with clients left out
+        (incomplete), or its directory held by another process (failed); None to launch it."""
+        summary = read_summary(spec.run_dir)
+        if is_finished(summary):
+            logger.info("skip %s (finished)", spec.run_dir)
+            return RunResult(spec, "skipped", summary=summary)
+        if ended_with_missing_clients(summary):
+            missing = summary.get("missing_clients") or {}
+            left = "; ".join(f"client {c}: {rounds_phrase(r)}" for c, r in missing.items())
+            logger.error("error: %s ran every round but left clients out (status %s; %s): not a complete run, "
+                         "and a resume cannot add them; move it aside to run it afresh", spec.run_dir,
+                         summary.get("status"), left or "the final evaluation missed clients")
+            return RunResult(spec, "incomplete", summary=summary)
+        try:
+            RunLock.check_free(spec.run_dir)
+        except ConfigError as err:
+            logger.error("error: %s", err)
+            return RunResult(spec, "failed", 2, summary=summary)
+        return None
+
+    @staticmethod
+    def _move_aside(spec: RunSpec) -> Path | None:
+        """Move a run that stopped before its first checkpoint aside (``.stale-<time>``); its new path."""
+        if resumable(spec.run_dir) or not run_files(spec.run_dir):
+            return None
+        stale = spec.run_dir.with_name(f"{spec.run_dir.name}.stale-{int(time.time())}")
+        spec.run_dir.rename(stale)
+        logger.warning("%s stopped before its first checkpoint: moved to %s, starting it again", spec.run_dir, stale)
+        return stale
+
+    @staticmethod
+    def _config(spec: RunSpec, tmp: Path) -> Path:
+        """The config file the fit reads: ``spec.config``, made first when the spec makes it; a made config
+        for a file inside the run directory that differs from it is staged in ``tmp`` instead."""
+        if spec.make_config is None:
+            return spec.config
+        text = yaml.safe_dump(dict(spec.make_config()), sort_keys=False)
+        if not spec.config.resolve().is_relative_to(spec.run_dir.resolve()):
+            spec.config.parent.mkdir(parents=True, exist_ok=True)
+            spec.config.write_text(text)
+            return spec.config
+        if spec.config.is_file() and spec.config.read_text() == text:
+            return spec.config
+        staged = tmp / spec.config.name
+        staged.write_text(text)
+        return staged
 
     def run_all(self, specs: Iterable[RunSpec], *, jobs: int = 1) -> Iterator[RunResult]:
         """:meth:`run` every spec, ``jobs`` at a time; yields the results in the order of ``specs``.
@@ -171,53 +311,19 @@ class Runner:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def run_sweep(self, specs: Iterable[RunSpec]) -> list[RunResult]:
-        """Fit the unfinished runs of ``specs`` together in this process (:mod:`fedfdp.sweep`).
-
-        The same rules as :meth:`run`: a finished run is skipped, one with a checkpoint resumes,
-        one stopped before its first checkpoint is moved aside and started again; its config is
-        written first. The runs must share an architecture and an algorithm the sweep can batch
-        (else every run fails with the sweep's one ``error:`` line). Each run's log is its
-        ``fit.log``, its command and status its ``harness.json``. ``niceness`` and ``env`` apply to
-        a separate process only: a sweep runs in this one.
-        """
-        from fedfdp.sweep import SweepRun, run_sweep
-
-        specs = list(specs)
-        results: dict[RunSpec, RunResult] = {}
-        pending: list[tuple[RunSpec, SweepRun]] = []
-        for spec in specs:
-            summary = read_summary(spec.run_dir)
-            if is_finished(summary):
-                results[spec] = RunResult(spec, "skipped", summary=summary)
-                continue
-            self._prepare(spec)
-            args = self.command(spec)[self.command(spec).index("--config"):]
-            pending.append((spec, SweepRun(name=str(spec.run_dir), args=args, log=spec.run_dir / "fit.log")))
-        if pending:
-            run_sweep([run for _, run in pending])
-        for spec, run in pending:
-            code = 1 if run.status is None else int(run.status)
-            (spec.run_dir / "harness.json").write_text(json.dumps(
-                {"command": ["sweep", *run.args], "returncode": code, "wall_seconds": run.seconds}, indent=1))
-            status: Literal["ran", "failed"] = "ran" if code == 0 else "failed"
-            results[spec] = RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir))
-        return [results[spec] for spec in specs if spec in results]
-
-    def _prepare(self, spec: RunSpec) -> None:
-        """Move a run stopped before its first checkpoint aside; create the directory; write its config."""
-        if not resumable(spec.run_dir) and run_files(spec.run_dir):
-            stale = spec.run_dir.with_name(f"{spec.run_dir.name}.stale-{int(time.time())}")
-            spec.run_dir.rename(stale)
-            logger.warning("%s stopped before its first checkpoint: moved to %s, starting it again", spec.run_dir,
-                           stale)
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        if spec.make_config is not None:
-            spec.config.parent.mkdir(parents=True, exist_ok=True)
-            spec.config.write_text(yaml.safe_dump(dict(spec.make_config()), sort_keys=False))
-
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         for key, value in self.env_defaults.items():
             env.setdefault(key, value)
         return env
+
+
+def _move_back(stale: Path, run_dir: Path) -> None:
+    """Put a run that was moved aside back in ``run_dir`` (the fit refused to start over it)."""
+    try:
+        if run_dir.is_dir():
+            run_dir.rmdir()  # only if empty: the fit removes a directory it created and left empty
+        stale.rename(run_dir)
+        logger.warning("moved %s back to %s", stale, run_dir)
+    except OSError as err:
+        logger.error("error: could not move %s back to %s (%s)", stale, run_dir, err.strerror or err)

@@ -124,11 +124,12 @@ def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[st
     return RUNNER.command(run_spec(settings, run_dir, seed, overrides))
 
 
-def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
-    """Run (or resume, or skip when finished) one trial run; returns its exit status and, when it
-    finished, its summary."""
+def run_fit(settings: Settings, run_dir: Path, seed: int,
+            overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None, Path]:
+    """Run (or resume, or skip when finished) one trial run; returns its exit status, its summary when
+    it finished (not with clients left out), and its log."""
     result = RUNNER.run(run_spec(settings, run_dir, seed, overrides))
-    return result.returncode, result.summary if result.finished else None
+    return result.returncode, result.summary if result.finished else None, result.log
 
 
 def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
@@ -140,28 +141,29 @@ def run_trials_together(settings: Settings, trials: list[tuple[int, dict[str, An
                         ) -> list[tuple[float | None, dict[str, Any]]]:
     """Every seed's run of every trial ``(number, overrides)`` fitted together in this process
     (:meth:`Runner.run_sweep`: one batched pass per round); each trial's objective and notes."""
-    specs = {(number, seed): run_spec(settings, settings.run_dir(number, seed), seed, overrides)
-             for number, overrides in trials for seed in settings.seeds}
-    results = {spec.run_dir: result for spec, result in zip(specs.values(), RUNNER.run_sweep(specs.values()))}
+    specs = [run_spec(settings, settings.run_dir(number, seed), seed, overrides)
+             for number, overrides in trials for seed in settings.seeds]
+    results = {spec.run_dir: result for spec, result in zip(specs, RUNNER.run_sweep(specs))}
 
-    def fitted(seed: int, run_dir: Path) -> tuple[int, dict[str, Any] | None]:
+    def fitted(seed: int, run_dir: Path) -> tuple[int, dict[str, Any] | None, Path]:
         result = results[run_dir]
-        return result.returncode, result.summary if result.finished else None
+        return result.returncode, result.summary if result.finished else None, result.log
 
     return [trial_result(settings, number, fitted) for number, _ in trials]
 
 
 def trial_result(settings: Settings, number: int,
-                 fit: Callable[[int, Path], tuple[int, dict[str, Any] | None]]) -> tuple[float | None, dict[str, Any]]:
+                 fit: Callable[[int, Path], tuple[int, dict[str, Any] | None, Path]]
+                 ) -> tuple[float | None, dict[str, Any]]:
     """Trial ``number``'s objective (None when a run failed) and notes from ``fit(seed, run_dir)``,
-    which runs (or looks up) each seed's run and gives its exit status and summary."""
+    which runs (or looks up) each seed's run: its exit status, summary (when finished) and log."""
     values, notes = [], {"run_dirs": [], "rounds_run": []}
     for seed in settings.seeds:
         run_dir = settings.run_dir(number, seed)
-        code, summary = fit(seed, run_dir)
+        code, summary, log = fit(seed, run_dir)
         notes["run_dirs"].append(str(run_dir))
         if code != 0 or summary is None:
-            notes["error"] = f"exit status {code}: {last_error_line(run_dir / 'fit.log')} (see {run_dir / 'fit.log'})"
+            notes["error"] = f"exit status {code}: {last_error_line(log)} (see {log})"
             return None, notes
         try:
             values.append(objective_value(summary, settings.terms, settings.last))

@@ -13,7 +13,9 @@ Run config (``flwr run APP CONNECTION --run-config "config='configs/x.yaml' ..."
     checkpoints and W&B, as in a simulation.
 ``round-timeout``
     seconds to wait for the nodes' replies to one message round; a node that has not answered
-    by then is left out of the round and not asked again in the run.
+    by then is left out of the round and not asked again while the SuperLink lists it; a node
+    that connects later for the same partition takes its client over at the next message round
+    (:mod:`fedfdp.flower.roster`).
 ``straggler-timeout``
     seconds to wait, once the first reply of a message round is in, for the others (0: no such
     limit, only ``round-timeout``); a client that misses it is left out like one that times out.
@@ -28,8 +30,12 @@ Run config (``flwr run APP CONNECTION --run-config "config='configs/x.yaml' ..."
 The run: build the federation from the config exactly as ``fedfdp.fit`` does (its server half:
 :class:`fedfdp.flower.strategy.FlowerFederation`), wait for the nodes, ask each which partition
 it holds (``query``), then ``Trainer.fit`` as in a simulation, with every client's round and every
-evaluation done on its node. A configuration problem on the server or on a node stops the run
-with one ``error:`` line in the log, and the run is marked failed.
+evaluation done on its node. Before every message round the server asks the SuperLink again which
+nodes are connected: a SuperNode restarted for the same partition (new node id, same state file
+and ledger) is taken back at the next round. Clients left out of rounds are listed in
+``summary.json`` (``missing_clients``; status ``completed_with_missing_clients``) and ``report.md``,
+and one log line per such client at the end says which rounds. A configuration problem on the
+server or on a node stops the run with one ``error:`` line in the log, and the run is marked failed.
 """
 
 from __future__ import annotations
@@ -126,20 +132,19 @@ def _wait_for_nodes(grid: Grid, count: int, wait: float) -> list[int]:
 
 def _query_nodes(grid: Grid, node_ids: list[int], config: str, num_clients: int,
                  timeout: float) -> tuple[dict[int, int], dict[int, Any]]:
-    """Ask every node which client it holds; ``(partition → node id, partition → description)``."""
+    """Ask every node which client it holds; ``(partition → node id, partition → description)``.
+
+    Two nodes that both answer for one partition stop the run (one ``error:`` line); so do a node
+    that cannot take part and a partition no node answers for.
+    """
     from fedfdp.errors import ConfigError
-    from fedfdp.flower import protocol
+    from fedfdp.flower.roster import describe_nodes
 
-    from fedfdp.flower.strategy import exchange
-
-    messages = [Message(protocol.query_request(config), dst_node_id=n, message_type=protocol.QUERY) for n in node_ids]
     nodes: dict[int, int] = {}
     described: dict[int, Any] = {}
-    for reply in exchange(grid, messages, timeout=timeout):
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            raise ConfigError(f"SuperNode {node} cannot take part: {reply.error.reason}")
-        info = protocol.decode_node(reply.content)
+    for node, info in describe_nodes(grid, node_ids, config, timeout=timeout).items():
+        if isinstance(info, str):
+            raise ConfigError(f"SuperNode {node} cannot take part: {info}")
         if info.partition in nodes:
             raise ConfigError(f"SuperNodes {nodes[info.partition]} and {node} both hold partition-id={info.partition}; "
                               f"give each node its own partition-id")
@@ -175,7 +180,7 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
         node_ids = _wait_for_nodes(grid, num_clients, settings.node_wait)
         nodes, described = _query_nodes(grid, node_ids, config_text, num_clients, settings.round_timeout)
         federation: FlowerFederation = cli.model
-        federation.connect(grid, nodes, config_text, settings.round_timeout, settings.straggler_timeout)
+        federation.connect(grid, nodes, config_text, settings.round_timeout, settings.straggler_timeout, described)
         datamodule = RemoteClients(cli.datamodule, described)
     except BaseException:
         for cb in cli.trainer.callbacks:  # nothing was trained: free the run directory
@@ -185,8 +190,11 @@ def run_server(grid: Grid, settings: ServerSettings) -> Path:
     cli.trainer.fit(federation, datamodule=datamodule, ckpt_path=cli.config.get("ckpt_path"))
     record = Path(cli.run_dir) / DEPLOYMENT_RECORD
     record.write_text(json.dumps(federation.deployment_record(described), indent=2))
+    for line in federation.left_out_lines():
+        logger.warning("%s", line)
     for cid in sorted(federation.dropped):
-        logger.warning("client %d stopped answering during the run", cid)
+        logger.warning("client %d has no live SuperNode at the end of the run (it stopped answering in %s)", cid,
+                       federation.roster.lost_in.get(cid, "an earlier round"))
     logger.info("run finished: %s (%d refusals)", cli.run_dir, len(federation.refusals))
     return Path(cli.run_dir)
 

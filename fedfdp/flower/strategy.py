@@ -7,12 +7,19 @@ keep the server's view of every client's ε (``RDPAccounting``), write ``metrics
 ``summary.json``, ``report.md``, checkpoints and W&B. Two things change:
 
 * :meth:`FlowerFederation.train_clients` sends each sampled client's round to the SuperNode
-  holding its partition and reads back the uploads. A client that refuses (its own budget) or
-  fails or does not answer within the round timeout is logged and left out of the round; the
-  round proceeds with the others (a round with no upload at all stops the run).
+  serving its partition now (:class:`~fedfdp.flower.roster.NodeRoster`: a node restarted for the
+  same partition, under a new node id, takes its client back at the next message round) and
+  reads back the uploads. A client that refuses (its own budget), fails, does not answer within
+  the round timeout or has no live node is logged and left out of the round; the round proceeds
+  with the others (a round with no upload at all stops the run). Every left-out client and round
+  is kept (:attr:`FlowerFederation.participation`): ``summary.json`` lists them
+  (``missing_clients``) and its status is then not plain ``completed``. Each received upload is
+  checked and charged to the server's view of the client's ε as in a simulation
+  (``on_client_release``: written to the run directory's ``privacy_ledger.jsonl``).
 * :meth:`FlowerFederation._evaluate_splits` asks every node to evaluate the run's model on its
   own splits; the server never holds client data (:class:`RemoteClients` stands in for the
-  datamodule: sizes only).
+  datamodule: sizes only). A client whose node does not answer has no numbers (NaN): the pooled
+  figures cover the clients that answered, and ``summary.json`` names them (``evaluated_clients``).
 
 The server's ε is what the clients declared with their uploads; each client's own ledger, on its
 node, is the one that counts (:mod:`fedfdp.flower.node_ledger`).
@@ -22,11 +29,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import uuid
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Message
 from flwr.common.constant import ErrorCode
@@ -37,12 +42,14 @@ from callbacks.base import FederationCallback
 from callbacks.cluster_metrics import ClusterMetrics
 from callbacks.mia import MembershipInferenceAudit
 from callbacks.sia import SourceInferenceAudit
-from datamodules.federated import FederatedDataModule
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.errors import ConfigError, FedFDPError
 from fedfdp.federation import Federation
 from fedfdp.flower import protocol
 from fedfdp.flower.protocol import NodeDescription, Refusal
+from fedfdp.flower.remote import RemoteClients
+from fedfdp.flower.roster import NodeRoster, describe_nodes, exchange
+from fedfdp.participation import Participation, rounds_phrase
 from fedfdp.types import ClientUpdate, RoundContext
 
 logger = logging.getLogger(__name__)
@@ -70,71 +77,6 @@ def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
                               f"in a Flower deployment; remove it from trainer.callbacks")
 
 
-def exchange(grid: Grid, messages: list[Message], *, timeout: float, straggler_timeout: float | None = None,
-             poll: float = 0.5) -> list[Message]:
-    """Push ``messages`` and pull their replies every ``poll`` seconds until all arrived or time is up.
-
-    Time is up ``timeout`` seconds after the push, or ``straggler_timeout`` seconds after the first
-    reply. (Flower's ``Grid.send_and_receive`` polls every 3 s and has no straggler limit.)
-    """
-    pending = set(grid.push_messages(messages))
-    start = time.monotonic()
-    deadline = start + timeout
-    replies: list[Message] = []
-    while pending and time.monotonic() < deadline:
-        arrived = list(grid.pull_messages(pending))
-        if arrived and not replies and straggler_timeout is not None:
-            deadline = min(deadline, time.monotonic() + straggler_timeout)
-        replies.extend(arrived)
-        pending -= {reply.metadata.reply_to_message_id for reply in arrived}
-        if pending:
-            time.sleep(poll)
-    return replies
-
-
-class RemoteClients(FederatedDataModule):
-    """The server's view of the clients' data in a deployment: the sizes the nodes reported, no samples.
-
-    Args:
-        configured: the config's datamodule (constructed, never set up: it gives the number of
-            clients, classes and whether a validation split is held out).
-        nodes: each partition's description (:class:`~fedfdp.flower.protocol.NodeDescription`).
-    """
-
-    def __init__(self, configured: FederatedDataModule, nodes: dict[int, NodeDescription]) -> None:
-        super().__init__(num_clients=configured.num_clients, val_fraction=configured.val_fraction)
-        self.num_classes = configured.num_classes
-        self.nodes = dict(nodes)
-        order = range(configured.num_clients)
-        self.train_sizes = np.array([nodes[c].train_size for c in order], dtype=np.int64)
-        self.test_sizes = np.array([nodes[c].test_size for c in order], dtype=np.int64)
-        self.val_sizes = np.array([nodes[c].val_size for c in order], dtype=np.int64)
-        truth = getattr(configured, "client_cluster", None)
-        if truth is not None:  # an oracle's known clusters: fixed by the config (cluster_sizes), not read from data
-            self.client_cluster = np.asarray(truth).copy()
-
-    #: the samples stay on the nodes (the federation's start-up checks that read data skip them)
-    holds_samples = False
-
-    def setup(self, stage: str | None = None) -> None:
-        """Nothing to load: the samples stay on the nodes."""
-
-    @property
-    def has_validation(self) -> bool:
-        """Whether the nodes hold a validation split out (``data.val_fraction > 0``)."""
-        return self.val_fraction > 0
-
-    def _split(self, which: int) -> Any:
-        raise RuntimeError("the clients' data stays on their nodes; the server cannot read it")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sizes the nodes reported (checkpoints)."""
-        return {"train_sizes": self.train_sizes.tolist(), "test_sizes": self.test_sizes.tolist()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to check: the nodes hold the partition."""
-
-
 class FlowerFederation(Federation):
     """:class:`fedfdp.Federation` whose clients are Flower SuperNodes (module docstring).
 
@@ -143,23 +85,24 @@ class FlowerFederation(Federation):
     """
 
     grid: Grid
-    nodes: dict[int, int]
     config_text: str
     round_timeout: float
 
     def connect(self, grid: Grid, nodes: dict[int, int], config_text: str, round_timeout: float,
-                straggler_timeout: float | None = None) -> None:
-        """Use ``grid`` to reach ``nodes`` (partition → Flower node id) with the run's ``config_text``.
+                straggler_timeout: float | None = None, described: dict[int, NodeDescription] | None = None) -> None:
+        """Use ``grid`` to reach ``nodes`` (partition → Flower node id at the start) with the run's ``config_text``.
 
         A message round waits at most ``round_timeout`` seconds, and at most ``straggler_timeout``
-        seconds after its first reply (None: no such limit).
+        seconds after its first reply (None: no such limit). ``described``: each partition's
+        description at the start, which a node that takes a partition over during the run must
+        match (:class:`~fedfdp.flower.roster.NodeRoster`; None: no node takes over).
         """
         self.grid = grid
-        self.nodes = dict(nodes)
+        self.roster = NodeRoster(nodes, described or {})
+        self.take_over = described is not None
         self.config_text = config_text
         self.round_timeout = round_timeout
         self.straggler_timeout = straggler_timeout
-        self.dropped: set[int] = set()  # clients whose node did not answer: not asked again this run
         self.refusals: list[tuple[int, int, str]] = []  # (round, client, reason)
         self.client_epsilon: dict[int, float] = {}  # the ε each client last reported (its own ledger)
         self.stacked_round = False  # each client trains on its own node
@@ -167,6 +110,17 @@ class FlowerFederation(Federation):
         # continue from the state after the last round whose upload the server received
         self.run_key = uuid.uuid4().hex
         self.client_rounds: dict[int, int] = {}
+        self.participation = Participation()  # the sampled clients left out of each round
+
+    @property
+    def nodes(self) -> dict[int, int]:
+        """Partition → the node serving it now (or last, for a client whose node was lost)."""
+        return dict(self.roster.serving)
+
+    @property
+    def dropped(self) -> set[int]:
+        """The clients without a live node now (lost or not answering, and no node took over)."""
+        return set(self.roster.without_node())
 
     def _state_key(self, client_id: int) -> protocol.ClientStateKey:
         """Which of the node's saved states client ``client_id`` continues from."""
@@ -178,10 +132,12 @@ class FlowerFederation(Federation):
         checkpoint["flower"] = {"refusals": [list(r) for r in self.refusals],
                                 "client_epsilon": {str(c): e for c, e in self.client_epsilon.items()},
                                 "run_key": self.run_key,
-                                "client_rounds": {str(c): r for c, r in self.client_rounds.items()}}
+                                "client_rounds": {str(c): r for c, r in self.client_rounds.items()},
+                                "left_out": self.participation.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Continue the record of a resumed run: its refusals up to the checkpoint, the ε reported.
+        """Continue the record of a resumed run: its refusals and left-out clients up to the checkpoint
+        (the rounds after it are replayed), the ε reported.
 
         Nodes that stopped answering in the earlier session are asked again.
         """
@@ -192,6 +148,8 @@ class FlowerFederation(Federation):
         self.client_epsilon.update({int(c): float(e) for c, e in saved.get("client_epsilon", {}).items()})
         self.run_key = str(saved.get("run_key", self.run_key))
         self.client_rounds = {int(c): int(r) for c, r in saved.get("client_rounds", {}).items()}
+        self.participation.load_state_dict(saved.get("left_out", {}))
+        self.participation.forget_from(start + 1)
 
     def on_fit_start(self) -> None:
         """The clients' one-off releases before training come from their nodes; then the simulation's start."""
@@ -238,15 +196,42 @@ class FlowerFederation(Federation):
                 bounds[type(cb).__name__] = float(bound(client_id))
         return bounds
 
+    def _where(self, message_type: str) -> str:
+        return f"round {self.current_round + 1}" if message_type == protocol.TRAIN else f"the {message_type} message"
+
+    def _refresh_nodes(self, where: str) -> None:
+        """Before a message round: take the SuperLink's connected nodes into account (restarted nodes)."""
+        connected = self._connected_nodes()
+        if connected is None or not self.take_over:
+            if connected is not None:
+                self.roster.connected = connected
+            return
+        self.roster.refresh(connected, lambda new: describe_nodes(
+            self.grid, new, self.config_text, timeout=self.round_timeout, straggler_timeout=self.straggler_timeout),
+            where)
+
     def _exchange(self, contents: dict[int, Any], message_type: str) -> dict[int, Message]:
-        """Send each client's content to its node; the replies that came back in time, by client."""
-        targets = {cid: content for cid, content in contents.items() if cid not in self.dropped}
-        messages = [Message(content, dst_node_id=self.nodes[cid], message_type=message_type)
+        """Send each client's content to its node; the replies that came back in time, by client.
+
+        Clients without a live node are not sent anything (their absence is logged once per round).
+        """
+        where = self._where(message_type)
+        self._refresh_nodes(where)
+        nodes = {cid: self.roster.live(cid) for cid in contents}
+        targets = {cid: content for cid, content in contents.items() if nodes[cid] is not None}
+        absent = sorted(set(contents) - set(targets))
+        if absent:
+            logger.warning("%s: client%s %s left out: no live SuperNode (%s)", where, "s" if len(absent) > 1 else "",
+                           ", ".join(map(str, absent)), "; ".join(
+                               f"client {c}'s SuperNode {self.roster.serving[c]} stopped answering in "
+                               f"{self.roster.lost_in.get(c, 'an earlier round')}" for c in absent))
+        messages = [Message(content, dst_node_id=nodes[cid], message_type=message_type)
                     for cid, content in targets.items()]
-        by_node = {self.nodes[cid]: cid for cid in targets}
+        by_node = {nodes[cid]: cid for cid in targets}
         replies: dict[int, Message] = {}
         lost: set[int] = set()
-        for reply in exchange(self.grid, messages, timeout=self.round_timeout, straggler_timeout=self.straggler_timeout):
+        for reply in exchange(self.grid, messages, timeout=self.round_timeout,
+                              straggler_timeout=self.straggler_timeout):
             cid = by_node.get(reply.metadata.src_node_id)
             if cid is None:  # the SuperLink answers for a node it gave up on (src is the SuperLink)
                 cid = next((c for c, m in zip(targets, messages) if m.object_id == reply.metadata.reply_to_message_id),
@@ -258,18 +243,20 @@ class FlowerFederation(Federation):
             else:
                 replies[cid] = reply
         connected = self._connected_nodes()
-        where = f"round {self.current_round + 1}" if message_type == protocol.TRAIN else f"the {message_type} message"
         for cid in targets:
             if cid in replies:
                 continue
-            self.dropped.add(cid)
-            if cid in lost or (connected is not None and self.nodes[cid] not in connected):
+            node = nodes[cid]
+            self.roster.fail(node, where)  # type: ignore[arg-type]
+            if cid in lost or (connected is not None and node not in connected):
                 logger.warning("client %d: its SuperNode %d was lost in %s (the SuperLink no longer hears its "
-                               "heartbeat): left out and not asked again this run", cid, self.nodes[cid], where)
+                               "heartbeat): left out until a SuperNode for partition-id=%d connects", cid, node, where,
+                               cid)
             else:
                 logger.warning("client %d (node %d) did not answer %s in time (round-timeout %.0f s, "
-                               "straggler-timeout %s s) though still connected: left out and not asked again this "
-                               "run", cid, self.nodes[cid], where, self.round_timeout, self.straggler_timeout)
+                               "straggler-timeout %s s) though still connected: left out, and that node is not asked "
+                               "again while it stays connected", cid, node, where, self.round_timeout,
+                               self.straggler_timeout)
         return replies
 
     def _connected_nodes(self) -> set[int] | None:
@@ -307,7 +294,10 @@ class FlowerFederation(Federation):
             if result.client_id != cid:
                 raise RuntimeError(f"the node of client {cid} answered for client {result.client_id}")
             self.client_rounds[cid] = context.round  # the node saved its state after this round
+            self._call("on_client_release", result)  # checked, written to the run's ledger and charged
             updates.append(result)
+        refusers = [c for r, c, _ in self.refusals if r == context.round]
+        self.participation.record(context.round + 1, client_ids, [u.client_id for u in updates], refusers)
         self._round_counts = {"clients_uploaded": float(len(updates)), "clients_refused": float(len(refused)),
                               "clients_missing": float(len(client_ids) - len(updates) - len(refused))}
         if not updates:
@@ -323,17 +313,20 @@ class FlowerFederation(Federation):
             self.log(key, value, on_step=True, on_epoch=False)
 
     def deployment_record(self, described: dict[int, NodeDescription]) -> dict[str, Any]:
-        """Per client: its node, its own settings, the ε it reported and the server counted, refusals, drop-out."""
+        """Per client: its nodes, its own settings, the ε it reported and the server counted, refused and
+        missed rounds (1-based), and whether it has no live node at the end."""
         accounting = self.accountant
+        missed = self.participation.left_out("missing")
         clients = {}
         for cid in range(self.num_clients):
             info = described[cid]
             clients[str(cid)] = {
-                "node_id": self.nodes[cid], "target_epsilon": info.target_epsilon, "secure_rng": info.secure_rng,
+                "node_id": self.roster.serving[cid], "node_ids": self.roster.served_by.get(cid, []),
+                "target_epsilon": info.target_epsilon, "secure_rng": info.secure_rng,
                 "epsilon_before_run": info.epsilon, "epsilon_reported": self.client_epsilon.get(cid),
                 "epsilon_server_view": accounting.client_epsilon(cid) if accounting is not None else None,
                 "refused_rounds": [r + 1 for r, c, _ in self.refusals if c == cid],
-                "dropped": cid in self.dropped}
+                "missed_rounds": missed.get(cid, []), "dropped": cid in self.dropped}
         try:
             run: str | None = str(self.grid.run.run_id)
         except Exception:  # noqa: BLE001 - a grid without a run (tests' in-process grid)
@@ -341,6 +334,13 @@ class FlowerFederation(Federation):
         return {"run": run,
                 "refusals": [{"round": r + 1, "client": c, "reason": why} for r, c, why in self.refusals],
                 "clients": clients}
+
+    def left_out_lines(self) -> list[str]:
+        """One line per client left out of rounds (which rounds, why), for the end of the run's log."""
+        refused = self.participation.left_out("refused")
+        return [f"client {cid} was left out of {rounds_phrase(rounds)} of {self.total_rounds}"
+                + (f" ({len(refused[cid])} refused on its own budget)" if cid in refused else "")
+                for cid, rounds in self.participation.left_out().items()]
 
     def _evaluate_splits(self, splits: list[str]) -> dict[str, dict[str, torch.Tensor]]:
         """Every node evaluates the run's model on its own ``splits`` (one message each).

@@ -36,7 +36,7 @@ from fedfdp.privacy.accounting import DPEvent
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LedgerEntry", "LedgerFile"]
+__all__ = ["LedgerEntry", "LedgerFile", "checkpoint_entries"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +166,19 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def checkpoint_entries(events: dict[int, list[DPEvent]], counted: dict[int, list[DPEvent]]) -> list[LedgerEntry]:
+    """Entries (round -1: before ledger files existed) for a checkpoint's ledgers: per client every
+    event, ``model`` when the budget counted it (``counted``), else ``loss``."""
+    from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE
+
+    entries = []
+    for cid, history in events.items():
+        budget = list(counted.get(cid, []))
+        for event in history:
+            kind = MODEL_RELEASE if event in budget else LOSS_RELEASE
+            if event in budget:
+                budget.remove(event)
+            entries.append(LedgerEntry(round=-1, client=cid, kind=kind, event=event))
+    return entries
