@@ -122,3 +122,25 @@ def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(bes
         assert config["data"]["init_args"]["val_fraction"] == best["val_fraction"]
         for key, value in study.best_trial.params.items():
             assert _dotted(config, key) == (value if value is None else pytest.approx(value, rel=1e-12)), (name, key)
+
+
+def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed_runs(tmp_path):
+    """docs/complete_runs/index.csv lists every committed run, each row true to its run directory."""
+    import csv
+    import importlib.util
+
+    folder = REPO / "docs" / "complete_runs"
+    spec = importlib.util.spec_from_file_location("complete_runs_index", folder / "index.py")
+    index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(index)
+    fresh = tmp_path / "index.csv"
+    index.write(fresh)
+    assert fresh.read_text() == (folder / "index.csv").read_text()  # regenerate: python docs/complete_runs/index.py write
+    rows = list(csv.DictReader((folder / "index.csv").open()))
+    assert {row["table"] for row in rows} >= {"fedfdp-IV", "fedfdp-V", "fedfdp-VI"}
+    for row in rows:
+        summary = json.loads((folder / row["path"] / "summary.json").read_text())
+        assert row["status"] == summary.get("status", row["status"]) and int(row["rounds"]) == summary["rounds_run"]
+        assert row["dataset"] in ("fmnist", "mnist") and row["seed"] in ("0", "1", "2")
+        if row["table"].startswith("fedfdp-"):  # the paper tables: complete, every release accounted
+            assert row["status"] in ("completed", "budget_spent") and row["dp_valid"] == "True"

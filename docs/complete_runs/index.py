@@ -1,0 +1,123 @@
+"""The committed complete runs: add a harness's finished runs, and write ``index.csv``.
+
+    python docs/complete_runs/index.py add --src runs/paper/table6 --dest docs/complete_runs/table6_fmnist
+    python docs/complete_runs/index.py write          # docs/complete_runs/index.csv
+
+``add`` copies every finished run of a paper-table tree (``<src>/<column>/<method>/seed<k>``) to
+``<dest>/<method>_<column>/seed<k>`` in the committed form: ``config.yaml``, ``summary.json``,
+``harness.json`` when there is one, and ``metrics.csv`` and ``privacy_ledger.jsonl`` gzipped. A
+run that did not finish (``status`` other than ``completed``/``budget_spent``) is left out, and
+said so.
+
+``write`` lists every committed run directory (one holding ``summary.json``) under this folder,
+one row each: ``table,dataset,method,seed,rounds,status,epsilon,path`` and what a reader needs to
+trust the row: ``rounds_planned``, ``dp_valid``, ``evaluated_models_private``, ``accuracy``,
+``accuracy_worst``, ``accelerator`` (the run's ``trainer.accelerator``: ``gpu`` for the runs made on
+a lent GPU, ``auto`` or ``cpu`` for this project's CPU). ``table``
+comes from the run's top folder (:data:`TABLES`): ``fedfdp-IV``, ``fedfdp-V``, ``fedfdp-VI``,
+``rcdpfl``, ``finp``, or this project's own studies; ``dataset`` from the data class; ``method``
+from the folder (the harness's method stem and column, or the study's row name); ``seed`` from
+the config. ``tests/test_complete_runs.py`` checks the file against the runs it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+INDEX = HERE / "index.csv"
+FIELDS = ["table", "dataset", "method", "seed", "rounds", "status", "epsilon", "path", "rounds_planned",
+          "dp_valid", "evaluated_models_private", "accuracy", "accuracy_worst", "accelerator"]
+
+#: top folder -> the table it reproduces (the seed papers') or the study it belongs to (this project's)
+TABLES = {
+    "table4_fmnist": "fedfdp-IV", "table4_mnist": "fedfdp-IV",
+    "table5_fmnist": "fedfdp-V", "table6_fmnist": "fedfdp-VI",
+    "rcdpfl_mnist": "rcdpfl", "rcdpfl_fmnist": "rcdpfl", "finp_fmnist": "finp",
+    "issue23_fmnist10": "equal-budget-10clients", "issue23_fmnist50": "equal-budget-50clients",
+}
+DATASETS = {"FashionMNISTDataModule": "fmnist", "MNISTDataModule": "mnist"}
+FINISHED = ("completed", "budget_spent")
+
+
+def add(src: Path, dest: Path) -> list[str]:
+    """Copy the finished runs of the paper-table tree ``src`` into ``dest``; lines saying what was done."""
+    said = []
+    for summary in sorted(src.glob("*/*/seed*/summary.json")):
+        run = summary.parent
+        if ".stale-" in run.name:  # a run the runner moved aside to start it again
+            continue
+        column, method = run.parent.parent.name, run.parent.name
+        status = json.loads(summary.read_text()).get("status")
+        if status not in FINISHED:
+            said.append(f"left out {run} (status {status})")
+            continue
+        target = dest / f"{method}_{column}" / run.name
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("config.yaml", "summary.json", "harness.json"):
+            if (run / name).is_file():
+                shutil.copyfile(run / name, target / name)
+        for name in ("metrics.csv", "privacy_ledger.jsonl"):
+            if (run / name).is_file():
+                (target / f"{name}.gz").write_bytes(gzip.compress((run / name).read_bytes(), mtime=0))
+        said.append(f"added {target}")
+    return said
+
+
+def row(run_dir: Path) -> dict[str, object]:
+    """The index row of one committed run directory."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    top = run_dir.relative_to(HERE).parts[0]
+    data_class = str((config.get("data") or {}).get("class_path", "")).rsplit(".", 1)[-1]
+    final = summary.get("final") or {}
+    return {
+        "table": TABLES.get(top, top), "dataset": DATASETS.get(data_class, data_class or "unknown"),
+        "method": run_dir.parent.name, "seed": config.get("seed_everything"), "rounds": summary.get("rounds_run"),
+        "status": summary.get("status", "completed" if summary.get("rounds_run") == summary.get("rounds_planned")
+                              else "unknown"),
+        "epsilon": summary.get("epsilon"), "path": str(run_dir.relative_to(HERE)),
+        "rounds_planned": summary.get("rounds_planned"), "dp_valid": summary.get("dp_valid"),
+        "evaluated_models_private": summary.get("evaluated_models_private"),
+        "accuracy": final.get("accuracy"), "accuracy_worst": final.get("accuracy_worst"),
+        "accelerator": (config.get("trainer") or {}).get("accelerator", "auto"),
+    }
+
+
+def write(path: Path = INDEX) -> int:
+    """Write the index of every committed run under this folder; the number of rows."""
+    runs = sorted(p.parent for p in HERE.glob("*/*/seed*/summary.json") if ".stale-" not in p.parent.name)
+    rows = [row(run) for run in runs]
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("add", help="copy a paper-table tree's finished runs here")
+    p.add_argument("--src", type=Path, required=True)
+    p.add_argument("--dest", type=Path, required=True)
+    sub.add_parser("write", help="write index.csv")
+    args = parser.parse_args(argv)
+    if args.command == "add":
+        for line in add(args.src, args.dest):
+            print(line)
+        return 0
+    print(f"wrote {INDEX} ({write()} runs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
