@@ -19,7 +19,9 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from fedfdp.distributed import rank_and_world
-from fedfdp.metrics import EvaluationResult, evaluate_clientwise, fairness_summary
+from fedfdp.metrics import EvaluationResult, evaluate_clientwise, evaluate_grouped, fairness_summary
+from fedfdp.privacy.grouped import GroupedNetwork
+from fedfdp.privacy.per_sample import ghost_unsupported_reason
 
 if TYPE_CHECKING:
     from torch.optim.swa_utils import AveragedModel
@@ -133,6 +135,13 @@ class FederationEvaluation:
             model = released if groups[0][1] is global_params else self._load_eval(groups[0][1])
             return evaluate_clientwise(model, self.client.per_sample_loss, x, y, cid, self.num_clients,
                                        self.eval_batch_size, transform=normalize, logit_offsets=offsets)
+        grouped = self._grouped_evaluation()
+        if grouped is not None:  # one pass: each client's rows through its own model
+            table = torch.empty(self.num_clients, groups[0][1].numel(), dtype=groups[0][1].dtype, device=self.device)
+            for client_ids, params in groups:
+                table[torch.as_tensor(client_ids, device=self.device)] = params.to(self.device)
+            return evaluate_grouped(grouped, table, self.client.per_sample_loss, x, y, cid, self.num_clients,
+                                    self.eval_batch_size, transform=normalize, logit_offsets=offsets)
         totals: dict[str, torch.Tensor] = {}
         for client_ids, params in groups:
             mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))
@@ -144,6 +153,16 @@ class FederationEvaluation:
         count = totals["count"].clamp(min=1)
         return {"accuracy": totals["correct"] / count, "loss": totals["loss_sum"] / count,
                 "pooled_accuracy": totals["correct"].sum() / totals["count"].sum().clamp(min=1)}
+
+    def _grouped_evaluation(self) -> GroupedNetwork | None:
+        """The grouped network that evaluates many clients' own models in one pass (built once), or
+        None when the model has layers it cannot group (then each model is evaluated in turn)."""
+        if getattr(self, "_eval_grouped", None) is None:
+            if ghost_unsupported_reason(self.client.net) is not None:
+                return None
+            self._eval_grouped = GroupedNetwork(self.client.net, self.client.per_sample_loss)
+        self._eval_grouped.to(self.device)
+        return self._eval_grouped
 
     @property
     def released_model(self) -> torch.nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -121,6 +122,28 @@ def eval_batch_size(requested: int | None, device: torch.device) -> int:
     if requested is not None:
         return requested
     return CPU_EVAL_BATCH if device.type == "cpu" else ACCELERATOR_EVAL_BATCH
+
+
+def evaluate_grouped(grouped: Any, client_models: Tensor, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,
+                     num_clients: int, batch_size: int | None = None,
+                     transform: Callable[[Tensor], Tensor] | None = None,
+                     logit_offsets: Tensor | None = None) -> dict[str, Tensor]:
+    """:func:`evaluate_clientwise` when every client has its own model: row ``j`` is scored with
+    ``client_models[client_id[j]]`` (``(num_clients, P)``), each batch in one pass of the grouped
+    network (:class:`fedfdp.privacy.grouped.GroupedNetwork`) over the clients it holds. The rows
+    of a client must be consecutive (pooled splits are stored grouped by client)."""
+    step = eval_batch_size(batch_size, x.device)
+    metric = ClientwiseMetrics(num_clients).to(x.device)
+    with torch.inference_mode():
+        for start in range(0, y.shape[0], step):
+            sl = slice(start, start + step)
+            cids, counts = torch.unique_consecutive(client_id[sl], return_counts=True)
+            logits = grouped.forward(client_models[cids], counts.tolist(), x[sl] if transform is None
+                                     else transform(x[sl]))
+            if logit_offsets is not None:
+                logits = logits + logit_offsets[client_id[sl]]
+            metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
+        return metric.compute()
 
 
 def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, client_id: Tensor,

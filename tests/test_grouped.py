@@ -73,3 +73,24 @@ def test_grouped_network_refuses_a_layer_with_its_own_forward():
 
     with pytest.raises(ValueError, match="its own forward"):
         GroupedNetwork(nn.Sequential(Scaled(3, 2)), per_sample_cross_entropy)
+
+
+def test_grouped_evaluation_equals_each_clients_model_alone():
+    """fedfdp.metrics.evaluate_grouped: one pass, each client's rows through its own model."""
+    from fedfdp.metrics import evaluate_clientwise, evaluate_grouped
+
+    torch.manual_seed(0)
+    net = _cnn()
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    base = parameters_to_vector(trainable).detach()
+    models = torch.stack([base + 0.3 * torch.randn_like(base) for _ in range(3)])
+    client_id = torch.tensor([0] * 7 + [1] * 4 + [2] * 9)
+    x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 3, (20,))
+    grouped = GroupedNetwork(net, per_sample_cross_entropy)
+    got = evaluate_grouped(grouped, models, per_sample_cross_entropy, x, y, client_id, 3, batch_size=6)
+    for cid in range(3):
+        vector_to_parameters(models[cid], trainable)
+        rows = client_id == cid
+        alone = evaluate_clientwise(net, per_sample_cross_entropy, x[rows], y[rows], client_id[rows], 3)
+        torch.testing.assert_close(got["accuracy"][cid], alone["accuracy"][cid])
+        torch.testing.assert_close(got["loss"][cid], alone["loss"][cid], rtol=1e-5, atol=1e-6)

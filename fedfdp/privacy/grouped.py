@@ -132,9 +132,20 @@ class GroupedNetwork:
 
         The result's ``segment_weighted_sums`` is valid for segments that each lie inside one group.
         """
-        if params.ndim != 2 or params.shape[1] != self.num_params or params.shape[0] != len(sizes):
-            raise ValueError(f"params must be (G={len(sizes)}, P={self.num_params}), got {tuple(params.shape)}")
-        leaf = params.detach().requires_grad_(True)  # layer outputs then require grad; only they are differentiated
+        self._load(params.detach().requires_grad_(True), sizes)  # layer outputs then require grad; only they are differentiated
+        return self.engine.compute(x, y)
+
+    @torch.inference_mode()
+    def forward(self, params: Tensor, sizes: Sequence[int], x: Tensor) -> Tensor:
+        """The outputs of the ``G`` models ``params`` on their rows of ``x`` (group-major), no gradients:
+        an evaluation pass over several clients' own models at once."""
+        self._load(params, sizes)
+        return self.net(x)
+
+    def _load(self, leaf: Tensor, sizes: Sequence[int]) -> None:
+        """Point every grouped layer at its slice of the ``(G, P)`` models and the group row counts."""
+        if leaf.ndim != 2 or leaf.shape[1] != self.num_params or leaf.shape[0] != len(sizes):
+            raise ValueError(f"params must be (G={len(sizes)}, P={self.num_params}), got {tuple(leaf.shape)}")
         sizes = [int(s) for s in sizes]
         for layer in self._layers:
             layer.sizes = sizes
@@ -148,4 +159,3 @@ class GroupedNetwork:
                 layer.group_weight = layer.weight.detach().expand(len(sizes), *layer.weight.shape)
             if layer.group_bias is None and layer.bias is not None:
                 layer.group_bias = layer.bias.detach().expand(len(sizes), *layer.bias.shape)
-        return self.engine.compute(x, y)
