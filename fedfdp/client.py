@@ -27,6 +27,16 @@ from fedfdp.types import LocalBatch, StepOutput
 _QUANTILES = torch.tensor([0.05, 0.5, 0.95])
 
 
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module`` that training updates and clients exchange (``requires_grad``).
+
+    A frozen parameter (``requires_grad=False``) keeps its initial value: it is neither trained,
+    nor uploaded, aggregated, stepped by the server optimizer or broadcast. Every flat parameter
+    vector of a run (``w_t``, the clients' uploads) is over these parameters, in module order.
+    """
+    return [p for p in module.parameters() if p.requires_grad]
+
+
 class ClientModule(LightningModule):
     """A federated client's model and its local step.
 
@@ -64,7 +74,7 @@ class ClientModule(LightningModule):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters that the local step updates (and that are exchanged with the server)."""
-        return [p for p in self.net.parameters() if p.requires_grad]
+        return trainable(self.net)
 
     def get_flat_params(self) -> Tensor:
         """The local model as one detached vector."""
