@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from fedfdp.errors import ConfigError
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.release import add_gaussian_noise
 from fedfdp.privacy.validation import replace_batchnorm as replace_batchnorm_layers
@@ -37,6 +38,20 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def _check_net(net: nn.Module) -> None:
+    """A net the loop can train: at least one trainable parameter, and no parameter with no elements
+    (a layer of width 0, which no per-sample engine and no update can handle)."""
+    if not isinstance(net, nn.Module):
+        raise ConfigError(f"model.client.init_args.net must be a torch.nn.Module, got {type(net).__name__}")
+    empty = [f"{name} {tuple(p.shape)}" for name, p in net.named_parameters() if p.numel() == 0]
+    if empty:
+        raise ConfigError(f"model.client.init_args.net has parameters with no elements ({', '.join(empty[:3])}): a "
+                          f"layer of width 0; check its init_args (hidden, channels, width, ...)")
+    if not trainable(net):
+        raise ConfigError("model.client.init_args.net has no trainable parameter (every one has requires_grad=False): "
+                          "there is nothing to train")
+
+
 class ClientModule(LightningModule):
     """A federated client's model and its local step.
 
@@ -53,6 +68,7 @@ class ClientModule(LightningModule):
     def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto",
                  replace_batchnorm: bool = False) -> None:
         super().__init__()
+        _check_net(net)
         self.automatic_optimization = False
         self.net = replace_batchnorm_layers(net) if replace_batchnorm else net
         self.engine = make_engine(self.net, per_sample, self.per_sample_loss)

@@ -21,6 +21,7 @@ import sys
 # the known Callback subclasses in import order (SaveConfigCallback before fedfdp's callbacks).
 from fedfdp.cli.parser import FedFDPCLI, build_cli  # isort: skip
 from callbacks.interrupt import exit_status
+from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.errors import (
     config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
 )
@@ -75,7 +76,7 @@ def main(args: list[str] | None = None) -> int:
         if type(err).__name__ == "ArgumentError":
             print(f"error: {explain_parse_error(str(err))}", file=sys.stderr)
             return 2
-        line = lightning_config_error(err)
+        line = lightning_config_error(err) or construction_error(err, cli.config.as_dict() if cli else None)
         if line is not None:
             print(f"error: {line}", file=sys.stderr)
             return 2

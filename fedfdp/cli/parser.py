@@ -37,8 +37,9 @@ from callbacks.interrupt import GracefulInterrupt
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
+from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.checkpoint import check_checkpoint
-from fedfdp.cli.errors import explain_parse_error, one_line
+from fedfdp.cli.errors import explain_parse_error, fedfdp_cause, one_line
 from fedfdp.cli.log_setup import is_launched_process
 from fedfdp.cli.loggers import WandbMode, run_loggers
 from fedfdp.cli.rundir_guard import RunDirGuard
@@ -134,6 +135,16 @@ class FedFDPCLI(LightningCLI):
                 raise ConfigError(f"{key} is not used by fedfdp, got {self.config[key]!r}: the clients' "
                                   "optimisation is the algorithm's (model.algorithm.init_args.lr, ...) and the "
                                   f"server's is model.server_optimizer; leave {key} unset")
+
+    def instantiate_classes(self) -> None:
+        """Build the configured classes; a constructor that refuses its init_args is one line naming it."""
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            line = None if fedfdp_cause(err) is not None else construction_error(err, self.config.as_dict())
+            if line is None:
+                raise
+            raise ConfigError(line) from err
 
     def check_trainer_options(self, parser: LightningArgumentParser) -> None:
         """Refuse Trainer options that a federated run cannot honour (:mod:`fedfdp.cli.trainer_options`)."""

@@ -75,8 +75,11 @@ def _check_device_count(devices: Any) -> None:
     """``trainer.devices`` as a count must not exceed the devices of this machine (CPU cores or GPUs).
 
     Lightning checks a GPU count against the GPUs present, but would start any number of CPU
-    processes (one per "device") and builds a list of that length first.
+    processes (one per "device") and builds a list of that length first. A count given as a
+    string (``"4"``, as Lightning also reads it) is checked too.
     """
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         return
     import os
