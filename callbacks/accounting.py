@@ -29,6 +29,7 @@ from lightning.pytorch import LightningModule, Trainer
 from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
 from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
+from fedfdp.plan import MAX_ROUNDS
 from fedfdp.privacy.accounting import (ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent,
                                       PrivacyLedger, epsilon_of, max_rounds, uncovered_steps)
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile, checkpoint_entries
@@ -247,7 +248,7 @@ class RDPAccounting(FederationCallback):
             if key not in limits:
                 limits[key] = max_rounds(events, target_epsilon=self.target_epsilon, delta=self.delta,
                                          orders=self.orders, rule=self.rounds_rule, spent=spent,
-                                         accountant=self.accountant)
+                                         accountant=self.accountant, cap=MAX_ROUNDS)
         remaining = min(limits.values())
         start = int(getattr(federation, "start_round", 0))
         if remaining == 0:
@@ -256,8 +257,11 @@ class RDPAccounting(FederationCallback):
                 raise PrivacyBudgetError(
                     f"the privacy ledger already holds epsilon={spent_eps:.4f} of RDPAccounting.target_epsilon="
                     f"{self.target_epsilon}; not one more round fits: nothing left to train")
+            (events, _), = [key for key, limit in limits.items() if limit == 0][:1]
+            one_round = epsilon_of(events, self.delta, self.orders, self.accountant)
             raise PrivacyBudgetError(f"RDPAccounting.target_epsilon={self.target_epsilon} is too small for a "
-                                     f"single round at delta={self.delta}")
+                                     f"single round at delta={self.delta}: one round spends epsilon={one_round:.4g}; "
+                                     f"raise target_epsilon above it or the noise multiplier")
         return start + remaining
 
     def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from callbacks.base import FederationCallback
 from fedfdp.algorithms.clustering import clustering_accuracy
+from fedfdp.client import trainable
 from fedfdp.errors import ConfigError, require
 from fedfdp.metrics import evaluate_clientwise
 from fedfdp.seeding import torch_generator
@@ -104,7 +105,7 @@ class ClusterMetrics(FederationCallback):
         """``f_i(θ_i)``: every client's train loss under its evaluation model."""
         x, y, cid = (t.to(federation.device) for t in federation.datamodule.pooled_train())
         n = federation.num_clients
-        global_params = torch.nn.utils.parameters_to_vector(federation.global_model.parameters()).detach()
+        global_params = torch.nn.utils.parameters_to_vector(trainable(federation.global_model)).detach()
         loss_sum, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
         for client_ids, params in federation.algorithm.evaluation_groups(global_params, n):
             mask = torch.isin(cid, torch.as_tensor(client_ids, device=cid.device))

@@ -98,6 +98,8 @@ class NoisyLossReporting(LossReporting):
         require(0 < loss_bound < math.inf, f"NoisyLossReporting.loss_bound must be finite and > 0, got {loss_bound}")
         require(0 < noise_multiplier < math.inf,
                 f"NoisyLossReporting.noise_multiplier must be finite and > 0, got {noise_multiplier}")
+        require(0 < bound_scale < math.inf, f"NoisyLossReporting.bound_scale must be finite and > 0, got {bound_scale}")
+        require(0 <= bound_floor < math.inf, f"NoisyLossReporting.bound_floor must be finite and >= 0, got {bound_floor}")
         require(0 < min_bound <= loss_bound,
                 f"NoisyLossReporting.min_bound must be in (0, loss_bound={loss_bound}], got {min_bound}")
         require(sample_rate is None or 0 < sample_rate <= 1,

@@ -146,11 +146,14 @@ class ScatteringFeatures:
         for lo in range(0, len(raw), step):
             out[lo:lo + step] = self(normalize(torch.from_numpy(raw[lo:lo + step])))
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            torch.save(out, partial)
-            os.replace(partial, path)  # atomic: parallel runs never read a half-written file
-            logger.info("scattering features cached in %s", path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+                torch.save(out, partial)
+                os.replace(partial, path)  # atomic: parallel runs never read a half-written file
+                logger.info("scattering features cached in %s", path)
+            except OSError as exc:  # a cache: the run goes on with the features it computed
+                logger.warning("scattering cache not written to data.features.cache_dir=%s (%s)", self.cache_dir, exc)
         return out
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from fedfdp.errors import ConfigError
 from fedfdp.privacy.mechanism import current_trace, stamp_model
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.release import gaussian_sum_release
@@ -26,6 +27,30 @@ from fedfdp.types import MODEL_RELEASE, LocalBatch, StepOutput
 
 
 _QUANTILES = torch.tensor([0.05, 0.5, 0.95])
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module`` that training updates and clients exchange (``requires_grad``).
+
+    A frozen parameter (``requires_grad=False``) keeps its initial value: it is neither trained,
+    nor uploaded, aggregated, stepped by the server optimizer or broadcast. Every flat parameter
+    vector of a run (``w_t``, the clients' uploads) is over these parameters, in module order.
+    """
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _check_net(net: nn.Module) -> None:
+    """A net the loop can train: at least one trainable parameter, and no parameter with no elements
+    (a layer of width 0, which no per-sample engine and no update can handle)."""
+    if not isinstance(net, nn.Module):
+        raise ConfigError(f"model.client.init_args.net must be a torch.nn.Module, got {type(net).__name__}")
+    empty = [f"{name} {tuple(p.shape)}" for name, p in net.named_parameters() if p.numel() == 0]
+    if empty:
+        raise ConfigError(f"model.client.init_args.net has parameters with no elements ({', '.join(empty[:3])}): a "
+                          f"layer of width 0; check its init_args (hidden, channels, width, ...)")
+    if not trainable(net):
+        raise ConfigError("model.client.init_args.net has no trainable parameter (every one has requires_grad=False): "
+                          "there is nothing to train")
 
 
 class ClientModule(LightningModule):
@@ -44,6 +69,7 @@ class ClientModule(LightningModule):
     def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto",
                  replace_batchnorm: bool = False) -> None:
         super().__init__()
+        _check_net(net)
         self.automatic_optimization = False
         self.net = replace_batchnorm_layers(net) if replace_batchnorm else net
         self.engine = make_engine(self.net, per_sample, self.per_sample_loss)
@@ -65,7 +91,7 @@ class ClientModule(LightningModule):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters that the local step updates (and that are exchanged with the server)."""
-        return [p for p in self.net.parameters() if p.requires_grad]
+        return trainable(self.net)
 
     def get_flat_params(self) -> Tensor:
         """The local model as one detached vector.

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector
 
+from fedfdp.client import trainable
 from fedfdp.distributed import rank_and_world
+from fedfdp.errors import DivergenceError
 from fedfdp.metrics import EvaluationResult, evaluate_clientwise, evaluate_grouped, fairness_summary
 from fedfdp.privacy.grouped import GroupedNetwork
 from fedfdp.privacy.per_sample import ghost_unsupported_reason
@@ -76,6 +78,11 @@ class FederationEvaluation:
         splits = self._evaluate_splits(names)
         test = splits["test"]
         acc, loss = test["accuracy"].cpu(), test["loss"].cpu()
+        answered = loss[~torch.isnan(acc)]  # a deployment's clients that did not answer have NaN
+        if not bool(torch.isfinite(answered).all()):
+            raise DivergenceError(f"round {rounds_done}: the evaluated model's test loss is not finite for "
+                                  f"{int((~torch.isfinite(answered)).sum())} client(s) (diverged; lower algorithm.lr "
+                                  f"or the algorithm's weights?)")
         scalars = {"accuracy": float(test["pooled_accuracy"]), **_fairness_of_answered(acc, loss, weights)}
         scalars["psi_paper"] = scalars["psi"]
         if "train" in splits:
@@ -126,7 +133,7 @@ class FederationEvaluation:
             x, y, cid = x[rank::world], y[rank::world], cid[rank::world]
         x, y, cid = (t.to(self.device) for t in (x, y, cid))
         released = self.released_model
-        global_params = parameters_to_vector(released.parameters()).detach()
+        global_params = parameters_to_vector(trainable(released)).detach()
         groups = self.algorithm.evaluation_groups(global_params, self.num_clients)
         offsets = self.algorithm.evaluation_logit_offsets()
         if offsets is not None:

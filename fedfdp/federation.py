@@ -30,12 +30,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from callbacks.base import FederationCallback, find_accountant
 from fedfdp.algorithms.base import Algorithm
-from fedfdp.client import ClientModule
+from fedfdp.client import ClientModule, trainable
 from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.evaluation import TRAIN_EVAL_EVERY, FederationEvaluation
 from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.memory import TRIM_EVERY, release_freed_memory
 from fedfdp.metrics import EvaluationResult, eval_batch_size
+from fedfdp.plan import check_expected_batches, check_round_count
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.mechanism import current_trace, tracing, verify_upload
 from fedfdp.privacy.uploads import POST_PROCESSING, declared_upload_privacy
@@ -158,8 +159,8 @@ class Federation(FederationEvaluation, LightningModule):
         return self.released_model(x)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """The server optimizer over ``w_t``."""
-        return self.server_optimizer(self.global_model.parameters())
+        """The server optimizer over ``w_t`` (the trainable parameters: frozen ones are not stepped)."""
+        return self.server_optimizer(trainable(self.global_model))
 
     def setup(self, stage: str) -> None:
         """Bind the data, check required callbacks, let the algorithm validate, fix the round count."""
@@ -184,6 +185,7 @@ class Federation(FederationEvaluation, LightningModule):
         self.algorithm.setup(self)
         for cb in callbacks:
             cb.setup_federation(self.trainer, self)
+        check_expected_batches(self)
         self.start_round = 0
         self._plan_rounds()  # planned again in on_fit_start, once a checkpoint is restored
         logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
@@ -215,13 +217,14 @@ class Federation(FederationEvaluation, LightningModule):
                               f"the data has {classes} classes: set its num_classes to {classes}")
 
     def _plan_rounds(self) -> None:
-        """``total_rounds``: the smallest of ``num_rounds`` and every callback's limit (the budget)."""
-        limits = [lim for cb in self.federation_callbacks() if (lim := cb.max_rounds(self.trainer, self)) is not None]
-        if self.num_rounds is not None:
-            limits.append(self.num_rounds)
+        """``total_rounds``: the smallest of ``num_rounds`` and every callback's limit (the budget);
+        more than :data:`fedfdp.plan.MAX_ROUNDS` is refused."""
+        budget = [lim for cb in self.federation_callbacks() if (lim := cb.max_rounds(self.trainer, self)) is not None]
+        limits = budget + ([self.num_rounds] if self.num_rounds is not None else [])
         if not limits:
             raise ConfigError("model.num_rounds must be set (>= 1) when no callback limits the rounds "
                               "(e.g. callbacks.RDPAccounting with a target_epsilon)")
+        check_round_count(min(limits), self.num_rounds, min(budget) if budget else None)
         self.total_rounds = min(limits)
         self.budget_limited = self.num_rounds is None or self.total_rounds < self.num_rounds
         if self.num_rounds is not None and self.total_rounds < self.num_rounds:
@@ -424,7 +427,7 @@ class Federation(FederationEvaluation, LightningModule):
         client_ids = self.sample_clients(round_idx)
         self._call("on_round_start", context, client_ids)
 
-        global_params = parameters_to_vector(self.global_model.parameters()).detach()
+        global_params = parameters_to_vector(trainable(self.global_model)).detach()
         updates = self.train_clients(context, client_ids, global_params)
         for update in updates:
             update.params = update.params.to(self.device)
@@ -439,7 +442,7 @@ class Federation(FederationEvaluation, LightningModule):
         optimizer.zero_grad()
         pseudo_grad = global_params - target
         offset = 0
-        for param in self.global_model.parameters():
+        for param in trainable(self.global_model):
             n = param.numel()
             param.grad = pseudo_grad[offset:offset + n].view_as(param).clone()
             offset += n

@@ -16,11 +16,13 @@ is used), and its metrics, summary, report and progress bar continue those of th
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 # fedfdp.cli.parser first: it imports Lightning's CLI before the callbacks package, and --help lists
 # the known Callback subclasses in import order (SaveConfigCallback before fedfdp's callbacks).
 from fedfdp.cli.parser import FedFDPCLI, build_cli  # isort: skip
 from callbacks.interrupt import exit_status
+from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.errors import (
     config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
 )
@@ -78,17 +80,18 @@ def fit_run(cli: FedFDPCLI, prefix: str = "") -> int:
               f"with --ckpt_path last from the last checkpoint", file=sys.stderr)
         return exit_status(signum)
     except Exception as err:
-        return report_error(err, prefix)
+        return report_error(err, prefix, cli.config.as_dict())
     finally:
         finish_wandb(cli, failed)
     return 0
 
 
-def report_error(err: Exception, prefix: str = "") -> int:
+def report_error(err: Exception, prefix: str = "", config: dict[str, Any] | None = None) -> int:
     """Print the one ``error:`` line of a user error and return its exit status; re-raise anything else.
 
     jsonargparse wraps errors raised while instantiating union-typed values (callbacks, data) in its
-    own ValueError: the FedFDPError inside, or the parse error, is reported as one line.
+    own ValueError: the FedFDPError inside, or the parse error, is reported as one line. A configured
+    class that cannot be built is named from ``config`` (the run's, when it was parsed).
     """
     cause = fedfdp_cause(err)
     if cause is not None:
@@ -97,7 +100,7 @@ def report_error(err: Exception, prefix: str = "") -> int:
     if type(err).__name__ == "ArgumentError":
         print(f"{prefix}error: {explain_parse_error(str(err))}", file=sys.stderr)
         return 2
-    line = lightning_config_error(err)
+    line = lightning_config_error(err) or construction_error(err, config)
     if line is not None:
         print(f"{prefix}error: {line}", file=sys.stderr)
         return 2

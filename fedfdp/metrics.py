@@ -172,6 +172,7 @@ def evaluate_clientwise(model: torch.nn.Module, loss_fn, x: Tensor, y: Tensor, c
                 if logit_offsets is not None:
                     logits = logits + logit_offsets[client_id[sl]]
                 metric.update(logits, y[sl], loss_fn(logits, y[sl]), client_id[sl])
-            return metric.compute()
+            # torchmetrics squeezes a one-element result to a scalar: one client keeps its (1,) shape
+            return {k: v if k == "pooled_accuracy" else v.reshape(num_clients) for k, v in metric.compute().items()}
     finally:
         model.train(was_training)

@@ -31,13 +31,17 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests without CUDA, and ``flower_all`` tests without ``--flower-all-algorithms``."""
+    """Skip ``gpu`` tests without CUDA, ``flower_all`` tests without ``--flower-all-algorithms``, and
+    ``input_fuzz`` tests unless the marker expression names them (``-m input_fuzz``)."""
     skips = []
     if not torch.cuda.is_available():
         skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA device")))
     if not config.getoption("--flower-all-algorithms"):
         skips.append(("flower_all", pytest.mark.skip(reason="every algorithm over real processes: "
                                                             "pytest --flower-all-algorithms -m flower")))
+    if "input_fuzz" not in (config.getoption("-m") or ""):
+        skips.append(("input_fuzz", pytest.mark.skip(reason="the full generated set of bad inputs: "
+                                                            "pytest -m input_fuzz tests/test_input_generator.py")))
     for item in items:
         for keyword, skip in skips:
             if keyword in item.keywords:

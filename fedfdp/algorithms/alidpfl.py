@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import NormalizeBy
@@ -74,7 +75,7 @@ class ALIDPFL(DPFedAvg):
 
     def setup(self, federation: Any) -> None:
         """d, B̂ and the planned rounds R_s (known once the federation has fixed them)."""
-        self.dim = sum(p.numel() for p in federation.global_model.parameters())
+        self.dim = sum(p.numel() for p in trainable(federation.global_model))
         sizes = [float(s) for s in federation.datamodule.train_sizes]
         self.batch_hat = max(self.sample_rate * sum(sizes) / len(sizes), 1.0)
         self.planned_rounds = lambda: max(int(federation.total_rounds), 1)

@@ -39,6 +39,7 @@ from torch.nn.utils import parameters_to_vector
 from callbacks.accounting import RDPAccounting
 from fedfdp.aggregate import weighted_mean
 from fedfdp.algorithms.base import Algorithm
+from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.clipping import FlatClip
@@ -154,7 +155,7 @@ class ClusteredDPFL(Algorithm):
                     f"over {self.num_rounds} rounds, over the target {limit}")
         logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f at delta %g", name, self.client_noise_multipliers.min(),
                     self.client_noise_multipliers.max(), self.planned_epsilon, accountant.delta)
-        initial = parameters_to_vector(federation.global_model.parameters()).detach()
+        initial = parameters_to_vector(trainable(federation.global_model)).detach()
         self.cluster_models = self.initial_models(initial, federation)
         self.assignment = self.initial_assignment(federation)
 

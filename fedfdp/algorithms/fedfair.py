@@ -33,8 +33,9 @@ class BroadcastLoss:
     broadcast_loss: float
 
     def _init_broadcast_loss(self, initial: InitialLoss) -> None:
-        if isinstance(initial, str) and initial != "log_num_classes":
-            raise ConfigError(f"algorithm.initial_broadcast_loss must be a number or 'log_num_classes', got {initial!r}")
+        if (isinstance(initial, str) and initial != "log_num_classes") or (not isinstance(initial, str) and initial < 0):
+            raise ConfigError(f"algorithm.initial_broadcast_loss must be a number >= 0 (a loss) or 'log_num_classes', "
+                              f"got {initial!r}")
         self.initial_broadcast_loss = initial
         self.broadcast_loss = 0.0 if isinstance(initial, str) else float(initial)
 

@@ -30,6 +30,7 @@ from torch.nn.utils import parameters_to_vector
 
 from fedfdp.algorithms.client_state import ClientStateStore
 from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
@@ -98,7 +99,7 @@ class DPFedAvgFineTune(DPFedAvg):
             self.switch_round = switch_round(self._federation.total_rounds, self.finetune_fraction)
         if round_idx >= self.switch_round and self.finetune_start is None:
             released = self._federation.released_model
-            self.finetune_start = parameters_to_vector(released.parameters()).detach().clone()
+            self.finetune_start = parameters_to_vector(trainable(released)).detach().clone()
             logger.info("round %d: DP-FedAvg ends; each client fine-tunes the released model for the last %d "
                         "rounds (finetune_fraction %g)", round_idx + 1, self._federation.total_rounds - round_idx,
                         self.finetune_fraction)

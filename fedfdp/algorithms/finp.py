@@ -57,6 +57,8 @@ class _FinPMixin:
         require(curvature_samples >= 1, f"algorithm.curvature_samples must be >= 1, got {curvature_samples}")
         require(curvature_iters >= 1, f"algorithm.curvature_iters must be >= 1, got {curvature_iters}")
         require(pca_q in (1, 2), f"algorithm.pca_q must be 1 or 2, got {pca_q}")
+        require(curvature_tol >= 0, f"algorithm.curvature_tol must be >= 0, got {curvature_tol}")
+        require(pca_gamma >= 0, f"algorithm.pca_gamma must be >= 0, got {pca_gamma}")
         self.beta, self.client_reg, self.server_agg, self.estimator, self.scaling = (beta, client_reg, server_agg,
                                                                                       estimator, scaling)
         self.rho_init, self.curvature_samples, self.curvature_iters = rho_init, curvature_samples, curvature_iters
@@ -236,6 +238,8 @@ class DPFinP(_FinPMixin, DPFedAvg):
         require(curvature_noise_multiplier > 0,
                 f"algorithm.curvature_noise_multiplier must be > 0, got {curvature_noise_multiplier}")
         self.curvature_bound, self.curvature_noise_multiplier = curvature_bound, curvature_noise_multiplier
+        require(dp_loss_constant > 0, f"algorithm.dp_loss_constant must be > 0 (a stand-in for a loss), got "
+                                      f"{dp_loss_constant}")
         self.dp_loss_constant = dp_loss_constant
         self._init_finp(beta=beta, client_reg=client_reg, server_agg=server_agg, estimator=estimator, scaling=scaling,
                         rho_init=rho_init, curvature_samples=curvature_samples, curvature_iters=curvature_iters,

@@ -37,10 +37,13 @@ from callbacks.interrupt import GracefulInterrupt
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
-from fedfdp.cli.errors import explain_parse_error, one_line
+from fedfdp.cli.build_errors import construction_error
+from fedfdp.cli.checkpoint import check_checkpoint
+from fedfdp.cli.errors import explain_parse_error, fedfdp_cause, one_line
 from fedfdp.cli.log_setup import is_launched_process
 from fedfdp.cli.loggers import WandbMode, run_loggers, start_wandb
 from fedfdp.cli.rundir_guard import RunDirGuard
+from fedfdp.cli.values import check_numbers
 from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_OPTIONS, check_trainer_options
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
@@ -124,6 +127,7 @@ class FedFDPCLI(LightningCLI):
                 callbacks.load_all()
                 return self.parse_arguments(parser, args)
             raise ConfigError(explain_parse_error(str(err), parser)) from err
+        check_numbers(self.config.as_dict())  # finite, in range, seeds in numpy's range: before anything is built
         self.check_trainer_options(parser)
         every = self.config.get("checkpoint_every")
         require(every is None or every >= 1, f"checkpoint_every must be an integer >= 1 or null, got {every}")
@@ -132,6 +136,16 @@ class FedFDPCLI(LightningCLI):
                 raise ConfigError(f"{key} is not used by fedfdp, got {self.config[key]!r}: the clients' "
                                   "optimisation is the algorithm's (model.algorithm.init_args.lr, ...) and the "
                                   f"server's is model.server_optimizer; leave {key} unset")
+
+    def instantiate_classes(self) -> None:
+        """Build the configured classes; a constructor that refuses its init_args is one line naming it."""
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            line = None if fedfdp_cause(err) is not None else construction_error(err, self.config.as_dict())
+            if line is None:
+                raise
+            raise ConfigError(line) from err
 
     def check_trainer_options(self, parser: LightningArgumentParser) -> None:
         """Refuse Trainer options that a federated run cannot honour (:mod:`fedfdp.cli.trainer_options`)."""
@@ -187,6 +201,8 @@ class FedFDPCLI(LightningCLI):
             raise ConfigError("--ckpt_path last resumes the run in --run_dir: give the --run_dir of the run to resume")
         if probe_lock:
             RunLock.check_free(run_dir)
+        # the file to resume from (--ckpt_path last: checkpoints/last.ckpt), refused when it cannot be read
+        self.config["ckpt_path"] = check_checkpoint(self.config.get("ckpt_path"), run_dir)
         if not resuming:
             found = run_files(run_dir)
             if found:
@@ -239,8 +255,11 @@ class FedFDPCLI(LightningCLI):
             accountant.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             every = self.config_init.get("checkpoint_every") or int(self.config_init["model"].eval_every)
+            # no version counter: a resume overwrites checkpoints/last.ckpt (what --ckpt_path last reads), never
+            # writes last-v1.ckpt beside an older last.ckpt
             callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="round-{step}", auto_insert_metric_name=False,
-                                             every_n_train_steps=every, save_last=True, save_top_k=1))
+                                             every_n_train_steps=every, save_last=True, save_top_k=1,
+                                             enable_version_counter=False))
         for default in (RunSummary, ClientTableLogger):
             if not any(isinstance(cb, default) for cb in callbacks):
                 callbacks.append(default())

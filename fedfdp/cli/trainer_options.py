@@ -68,3 +68,25 @@ def check_trainer_options(trainer: Mapping[str, Any], defaults: Mapping[str, Any
         if value != defaults.get(name):
             raise ConfigError(f"trainer.{name}={value!r} is not used by fedfdp (a training step is one federated "
                               f"round); use {instead}")
+    _check_device_count(trainer.get("devices"))
+
+
+def _check_device_count(devices: Any) -> None:
+    """``trainer.devices`` as a count must not exceed the devices of this machine (CPU cores or GPUs).
+
+    Lightning checks a GPU count against the GPUs present, but would start any number of CPU
+    processes (one per "device") and builds a list of that length first. A count given as a
+    string (``"4"``, as Lightning also reads it) is checked too.
+    """
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        return
+    import os
+
+    import torch
+
+    available = max(os.cpu_count() or 1, torch.cuda.device_count())
+    if devices > available:
+        raise ConfigError(f"trainer.devices must be at most {available} (the CPU cores or GPUs of this machine), "
+                          f"got {devices}")

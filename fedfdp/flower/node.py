@@ -45,6 +45,7 @@ from torch.nn.utils import vector_to_parameters
 from callbacks.base import FederationCallback, find_accountant
 from datamodules.checks import is_int
 from fedfdp.cli.parser import FedFDPCLI, build_cli
+from fedfdp.client import trainable
 from fedfdp.errors import PrivacyBudgetError, require
 from fedfdp.federation import Federation
 from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
@@ -215,7 +216,7 @@ class NodeClient:
             if bound is not None and isinstance(getattr(cb, "bounds", None), dict):
                 cb.bounds[cid] = bound  # public post-processing of the client's earlier releases
         with torch.no_grad():
-            vector_to_parameters(params.clone(), fed.global_model.parameters())  # w_t (global-loss releases)
+            vector_to_parameters(params.clone(), trainable(fed.global_model))  # w_t (global-loss releases)
         update = fed.train_client(cid, RoundContext(round=round_idx, broadcast=dict(broadcast)), params)
         if store is not None:
             store.save(round_idx, fed.algorithm.export_client_state(cid))

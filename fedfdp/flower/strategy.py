@@ -43,6 +43,7 @@ from callbacks.cluster_metrics import ClusterMetrics
 from callbacks.mia import MembershipInferenceAudit
 from callbacks.sia import SourceInferenceAudit
 from fedfdp.algorithms.base import Algorithm
+from fedfdp.client import trainable
 from fedfdp.errors import ConfigError, FedFDPError
 from fedfdp.federation import Federation
 from fedfdp.flower import protocol
@@ -347,7 +348,7 @@ class FlowerFederation(Federation):
 
         Clients whose node does not answer get NaN (left out of the fairness summary).
         """
-        params = parameters_to_vector(self.released_model.parameters()).detach()
+        params = parameters_to_vector(trainable(self.released_model)).detach()
         server_state = self.algorithm.public_server_state()
         contents = {cid: protocol.EvaluateRequest(partition=cid, config=self.config_text, splits=tuple(splits),
                                                   state_key=self._state_key(cid)).encode(params, server_state)

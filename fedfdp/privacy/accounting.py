@@ -325,8 +325,11 @@ def uncovered_steps(recorded: Iterable[DPEvent], history: Iterable[DPEvent]) -> 
 def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: float,
                orders: Sequence[float] = PAPER_ORDERS,
                rule: Literal["strict", "paper_code"] = "strict", spent: Sequence[DPEvent] = (),
-               accountant: Accountant = "rdp") -> int:
+               accountant: Accountant = "rdp", cap: int | None = None) -> int:
     """Rounds T affordable at ``(target_epsilon, delta)`` when every round spends ``per_round``.
+
+    With ``cap``, the search stops once more than ``cap`` rounds are known to fit and returns
+    ``cap + 1`` (a run may not plan that many: :data:`fedfdp.plan.MAX_ROUNDS`).
 
     ε(T) = conversion(R_spent + T · R_round) is strictly increasing in T (RDP is linear in T,
     Theorem 2); ``spent`` are the events already charged (a resumed run), R_spent their RDP.
@@ -384,6 +387,8 @@ def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: fl
         lo, hi = 0.0, float(_CODE_STEPS_HIGH)
         eps_hi = eps(hi)
         while eps_hi < target_epsilon:
+            if cap is not None and hi > cap:
+                return cap + 1
             if hi > 2**53:
                 raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
             lo, hi = hi, 2 * hi
@@ -399,6 +404,8 @@ def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: fl
 
     lo_i, hi_i = 0, 1  # invariant: eps(lo_i) <= target < eps(hi_i)
     while eps(hi_i) <= target_epsilon:
+        if cap is not None and hi_i > cap:
+            return cap + 1
         if hi_i > 2**53:
             raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
         lo_i, hi_i = hi_i, 2 * hi_i

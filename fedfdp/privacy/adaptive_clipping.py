@@ -46,7 +46,10 @@ def next_clip_bound(bound: float, unclipped_fraction: float, *, target_quantile:
     >>> round(next_clip_bound(1.0, 0.0, target_quantile=0.5, clip_lr=0.2, min_bound=0.1, max_bound=10.0), 6)
     1.105171
     """
-    return min(max_bound, max(min_bound, bound * math.exp(-clip_lr * (unclipped_fraction - target_quantile))))
+    step = -clip_lr * (unclipped_fraction - target_quantile)
+    if step >= math.log(max_bound / bound):  # the clamp gives C_max (and exp(step) may overflow): C > 0
+        return max_bound
+    return min(max_bound, max(min_bound, bound * math.exp(step)))
 
 
 class CountingFlatClip(FlatClip):

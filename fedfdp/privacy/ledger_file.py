@@ -102,7 +102,11 @@ class LedgerFile:
         """
         entries: list[LedgerEntry] = []
         for file in self.files():
-            text = file.read_text()
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:  # a folder, unreadable, not text
+                raise DataError(f"privacy ledger {file} cannot be read ({type(err).__name__}: {err}); it is the record "
+                                f"of what this run released: restore it or start a new run_dir") from err
             lines = text.split("\n")
             for number, line in enumerate(lines[:-1], start=1):  # the last piece has no newline
                 if not line.strip():
