@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
+from typing import Any
 
 
 def is_launched_process() -> bool:
@@ -13,9 +15,27 @@ def is_launched_process() -> bool:
     return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted.
+
+    A plain ``StreamHandler`` keeps the stream it was made with: when the first run of a process
+    is made under a replaced ``sys.stderr`` (a test's captured output, a harness's redirect) and
+    that stream is closed afterwards, every later record fails with "I/O operation on closed
+    file" and logging prints a traceback in the middle of the next run's output.
+    """
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns one: sys.stderr is read at emit time
+        pass
+
+
 def configure_logging() -> None:
     """INFO logs of our packages on stderr (Lightning keeps its own handler), known noise filtered."""
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     for name in ("fedfdp", "callbacks", "datamodules"):
         log = logging.getLogger(name)

@@ -9,6 +9,7 @@ import pkgutil
 import sys
 
 import fedfdp.experiments as package
+from fedfdp.cli.log_setup import StderrHandler
 from fedfdp.experiments._common import OneLineErrorParser
 
 
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse and run one harness command; returns its exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the handler writes to sys.stderr as it is at each record (tests and harnesses swap it)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=[StderrHandler()])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
