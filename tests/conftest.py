@@ -31,8 +31,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests without CUDA, ``flower_all`` tests without ``--flower-all-algorithms``, and
-    ``input_fuzz`` tests unless the marker expression names them (``-m input_fuzz``)."""
+    """Skip ``gpu`` tests without CUDA and ``flower_all`` tests without ``--flower-all-algorithms``;
+    deselect the few thousand ``input_fuzz`` tests unless the marker expression names them
+    (``pytest -m input_fuzz tests/test_input_generator.py``): running each only to skip it cost
+    seconds of every test run."""
     skips = []
     if not torch.cuda.is_available():
         skips.append(("gpu", pytest.mark.skip(reason="needs a CUDA device")))
@@ -40,8 +42,10 @@ def pytest_collection_modifyitems(config, items):
         skips.append(("flower_all", pytest.mark.skip(reason="every algorithm over real processes: "
                                                             "pytest --flower-all-algorithms -m flower")))
     if "input_fuzz" not in (config.getoption("-m") or ""):
-        skips.append(("input_fuzz", pytest.mark.skip(reason="the full generated set of bad inputs: "
-                                                            "pytest -m input_fuzz tests/test_input_generator.py")))
+        fuzz = [item for item in items if "input_fuzz" in item.keywords]
+        if fuzz:
+            config.hook.pytest_deselected(items=fuzz)
+            items[:] = [item for item in items if "input_fuzz" not in item.keywords]
     for item in items:
         for keyword, skip in skips:
             if keyword in item.keywords:

@@ -151,6 +151,7 @@ def test_malformed_input_one_line_exit_2(tmp_path, capsys, args, expected):
     assert not (tmp_path / "run").exists()  # a refused start leaves no run directory behind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_malformed_resume_leaves_the_earlier_run_untouched(tmp_path, capsys, finished_run, args):
     """The same mistakes in a resume of a finished run: refused (a different configuration is

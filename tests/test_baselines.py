@@ -246,6 +246,7 @@ def test_only_clients_that_trained_hold_state():
     assert len(alg.client_state.clients()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [lambda: DPScaffold(**DP), lambda: DPFedDyn(alpha=0.1, **DP),
                                   lambda: DPDitto(**DP)], ids=["scaffold", "feddyn", "ditto"])
 def test_resume_restores_client_state_bitwise(tmp_path, make):

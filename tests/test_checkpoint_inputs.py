@@ -54,6 +54,7 @@ def _damage(last: Path, kind: str) -> None:
         last.chmod(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["truncated", "junk", "empty", "directory", "not fedfdp", "unreadable"])
 def test_a_damaged_last_checkpoint_is_one_line_and_changes_nothing(tmp_path, capsys, finished_run, kind):
     run_dir = tmp_path / "run"
@@ -70,6 +71,7 @@ def test_a_damaged_last_checkpoint_is_one_line_and_changes_nothing(tmp_path, cap
     assert _state(run_dir) == before
 
 
+@pytest.mark.slow
 def test_a_damaged_explicit_checkpoint_names_the_file(tmp_path, capsys, finished_run):
     run_dir = tmp_path / "run"
     junk = tmp_path / "junk.ckpt"
@@ -80,6 +82,7 @@ def test_a_damaged_explicit_checkpoint_names_the_file(tmp_path, capsys, finished
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_resume_from_last_writes_last_ckpt_and_no_versioned_copy(tmp_path):
     """A resume of a moved run directory (another machine, a renamed folder): Lightning then does not
     recognise the checkpoint's folder, and used to write ``last-v1.ckpt`` beside the older ``last.ckpt``."""

@@ -16,6 +16,7 @@ from tests.conftest import REPO
 TINY = str(REPO / "tests" / "configs" / "tiny_fedfdp.yaml")
 
 
+@pytest.mark.slow
 def test_end_to_end_run_writes_summary_config_and_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -42,6 +43,7 @@ def test_print_config_shows_the_resolved_config(capsys):
     assert "class_path: fedfdp.algorithms.FedFDP" in out and "fairness_weight: 0.1" in out
 
 
+@pytest.mark.slow
 def test_resume_continues_and_existing_run_is_never_overwritten(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     assert main(["--config", TINY, "--run_dir", run_dir]) == 0

@@ -26,6 +26,7 @@ def _ledger(run_dir):
     return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("summary_path", RUNS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
 def test_a_committed_runs_epsilon_is_its_ledgers_and_within_the_target(summary_path):
     summary = json.loads(summary_path.read_text())
@@ -44,6 +45,7 @@ def test_a_committed_runs_epsilon_is_its_ledgers_and_within_the_target(summary_p
     assert all(r["sigma"] > 0 for r in records)  # every release noised
 
 
+@pytest.mark.slow
 def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeypatch, tmp_path):
     text = RESULTS.read_text()
     commands = [line.strip().rstrip("\\").strip() for line in text.splitlines()

@@ -67,6 +67,7 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [[], ["--model.algorithm", "fedfdp.algorithms.FedAvg",
                                             "--model.algorithm.init_args.lr", "0.1",
                                             "--model.algorithm.init_args.batch_size", "32",

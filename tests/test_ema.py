@@ -74,6 +74,7 @@ def _ckpt_average(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("global_ema.")}
 
 
+@pytest.mark.slow
 def test_average_is_checkpointed_and_a_resumed_run_continues_it_exactly(tmp_path):
     ema = ["--model.ema_decay", "0.8", "--wandb", "disabled"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -90,6 +91,7 @@ def test_average_is_checkpointed_and_a_resumed_run_continues_it_exactly(tmp_path
     assert summaries[0]["final"]["accuracy"] == summaries[1]["final"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_resume_with_another_decay_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir), "--model.ema_decay", "0.8", "--wandb", "disabled"]) == 0

@@ -43,6 +43,7 @@ def simulated(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_examples_under_flower_equal_the_simulation(simulated, tmp_path):
     grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"))
     settings = ServerSettings.from_run_config({"config": str(CONFIGS["dpfedavg"]), "overrides": EXTENDED,
@@ -52,6 +53,7 @@ def test_examples_under_flower_equal_the_simulation(simulated, tmp_path):
     assert _norms(deployed) == _norms(simulated)
 
 
+@pytest.mark.slow
 def test_the_callback_logs_every_round_and_the_decay_changes_the_model(simulated, tmp_path):
     summary = json.loads((simulated / "summary.json").read_text())
     assert summary["algorithm"] == "DecayingDPFedAvg" and summary["rounds_run"] == 3

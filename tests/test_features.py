@@ -48,6 +48,7 @@ def test_bad_settings_name_the_field(kwargs, field):
         ScatteringFeatures(**kwargs)
 
 
+@pytest.mark.slow
 def test_datamodule_serves_the_features_of_its_own_images():
     """With ``features`` every client's split is the scattering of the same normalised images, in
     the same partition; the fingerprint tells the two inputs apart."""

@@ -139,6 +139,7 @@ def test_dp_finp_charges_the_curvature_release():
     assert eps["finp"] > eps["dpfedavg"] > 0
 
 
+@pytest.mark.slow
 def test_two_round_cli_run_logs_sia_mia_and_finp_metrics(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}

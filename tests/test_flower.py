@@ -112,6 +112,7 @@ def test_an_upload_crosses_the_wire_bit_for_bit():
 
 
 # ---- the server strategy over an in-process grid ------------------------------------------------
+@pytest.mark.slow
 def test_strategy_over_in_process_nodes_equals_simulation(tmp_path):
     """The server strategy and the ClientApp, without processes: the simulation's model and ε, bit for bit."""
     sim = simulate("fedfdp", tmp_path / "sim")
@@ -128,6 +129,7 @@ def test_strategy_over_in_process_nodes_equals_simulation(tmp_path):
     assert summary["final"]["accuracy"] == json.loads((sim / "summary.json").read_text())["final"]["accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedfdp", "dpditto"])
 def test_a_resumed_deployment_continues_the_run(tmp_path, name):
     """ckpt-path='last' continues a deployed run to the end an uninterrupted one reaches, appending its files
@@ -163,6 +165,7 @@ def test_a_resume_without_its_run_dir_is_refused_with_one_line():
         ServerSettings.from_run_config({"config": str(CONFIGS["fedfdp"]), "ckpt-path": "last"})
 
 
+@pytest.mark.slow
 def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
     """Client 2 refuses round 3 (its own target); client 1 never answers from round 2: the others carry on."""
     ledgers = tmp_path / "ledgers"
@@ -191,6 +194,7 @@ def test_strategy_goes_on_without_refusing_and_silent_clients(tmp_path):
     assert NodeLedger(ledgers, 2, target_epsilon=None).epsilon() <= TIGHT_TARGET
 
 
+@pytest.mark.slow
 def test_a_lost_node_is_named_by_its_id_and_round_and_a_slow_one_as_slow(tmp_path, caplog):
     """Client 1's node dies in round 2 (the SuperLink reports it unavailable); client 2's stays connected but silent."""
     grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"), silent={102}, lost={101}, silent_from=1)
@@ -215,6 +219,7 @@ def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):
         run_server(InProcessGrid(nodes), settings)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_restarted_node_takes_its_client_back_at_the_next_round(tmp_path, caplog):
     """DP-SCAFFOLD: client 1's node is lost in round 2 and comes back under a new node id with the same
     partition, state file and ledger: it trains again from round 3 on, from its state after round 1."""

@@ -57,6 +57,7 @@ def test_an_algorithm_can_refuse_deployment_in_one_line():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_deployed_algorithm_equals_simulation(name, tmp_path):
     """3 rounds deployed (nodes restarted before the last) = 3 rounds simulated: model, evaluation, ε."""

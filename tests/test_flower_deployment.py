@@ -32,6 +32,8 @@ from tests.algorithm_cases import CASES, algorithm_config  # noqa: E402
 from tests.flower_harness import CONFIGS, OVERRIDES, ROUNDS, TIGHT_TARGET, Deployment, client_epsilons, \
     global_model, max_relative_difference, node_config, simulate, tools_missing, upload_rows  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real SuperLink and SuperNode processes: minutes a test
+
 
 # ---- real SuperLink and SuperNodes --------------------------------------------------------------
 @pytest.fixture(scope="module")

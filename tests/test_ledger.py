@@ -178,6 +178,7 @@ def _released_epsilon(trace) -> float:
     return max(epsilon_of(events, 1e-5) for events in per_client.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eval_every", [10_000, 7], ids=["before-first-checkpoint", "after-checkpoints"])
 def test_sigkill_at_a_random_round_never_reports_less_epsilon_than_released(tmp_path, eval_every):
     run_dir, trace = tmp_path / "run", tmp_path / "trace.jsonl"

@@ -49,6 +49,7 @@ def test_importing_the_federation_bounds_the_kernel_caches():
         assert 1 <= int(os.environ[name]) <= KERNEL_CACHE_CAPACITY
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallinfo2")
 def test_new_batch_shapes_do_not_accumulate_cached_kernels():
     unbounded = _growth_mb(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")

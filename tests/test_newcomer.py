@@ -63,6 +63,7 @@ def test_fedfdp_data_dir_environment_variable_is_searched(tmp_path, monkeypatch)
     assert all(path.resolve().is_relative_to(SHARED_DATA.resolve()) for path in files.values())
 
 
+@pytest.mark.slow
 @needs_fmnist
 def test_the_main_command_from_another_directory_reaches_the_partition_and_7000_clients_fail_fast(
         tmp_path, monkeypatch, capsys):
@@ -218,6 +219,7 @@ def test_help_shows_only_what_fedfdp_reads(capsys):
     assert len(out.splitlines()) < 460  # was 608 with the ignored optimizer/scheduler/trainer options
 
 
+@pytest.mark.slow
 def test_fresh_run_has_no_log_directory_warning(tmp_path, monkeypatch):
     """A user's default run (W&B offline without an API key) used to warn that the CSV logs' folder is not empty."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -229,6 +231,7 @@ def test_fresh_run_has_no_log_directory_warning(tmp_path, monkeypatch):
     assert not [m for m in messages if "not empty" in m], messages
 
 
+@pytest.mark.slow
 def test_one_wandb_offline_directory_per_run(tmp_path, monkeypatch):
     """Two runs in one process: each writes its own W&B offline run, the second does not log into the first."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -243,6 +246,7 @@ def test_one_wandb_offline_directory_per_run(tmp_path, monkeypatch):
         assert offline[0].endswith("-" + (run_dir / "wandb_run_id").read_text().strip())
 
 
+@pytest.mark.slow
 def test_resumed_offline_run_gets_its_own_wandb_directory_and_id(tmp_path, monkeypatch):
     """W&B cannot resume offline runs: the continuation is its own run, so syncing both loses nothing."""
     monkeypatch.delenv("WANDB_MODE", raising=False)

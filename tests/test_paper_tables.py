@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from fedfdp.experiments.__main__ import main
@@ -63,6 +64,7 @@ def test_plan_covers_methods_columns_and_seeds(tmp_path):
     assert {r.column.label for r in runs} == {"FMNIST eps=1", "FMNIST eps=2", "FMNIST eps=3", "FMNIST eps=4"}
 
 
+@pytest.mark.slow
 def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(REPO)
     configs = tmp_path / "configs"

@@ -113,6 +113,7 @@ def test_full_batch_round_charges_q_one_then_poisson_rounds():
     assert accountant.epsilon() == float("inf")  # the unnoised selection voids the guarantee
 
 
+@pytest.mark.slow
 def test_calibrated_run_spends_at_most_the_target_and_a_too_small_z_is_refused():
     alg = RCDPFL(**ALG, noise_multiplier=None, selection="private", cluster_rounds=1)
     fed, accountant = fit(alg, rounds=4, target=3.0)
@@ -185,6 +186,7 @@ def test_oracle_equals_per_cluster_dpfedavg():
         assert torch.allclose(fed.algorithm.cluster_models[k], models[k], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
     # 8 clients: one seed's GMM accuracy moves in steps of 1/8 with the DP noise (0.625 to 1.0 over
     # seeds 0-5), so the claim is on the mean over three seeds
@@ -205,6 +207,7 @@ def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
     assert torch.equal(clone.cluster_models, alg.cluster_models) and clone.e_c == alg.e_c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [IFCA, KMCDPFL, LocalDPSGD])
 def test_baselines_run_and_keep_one_model_per_group(cls):
     kwargs = {"selection": "loss"} if cls is IFCA else {}

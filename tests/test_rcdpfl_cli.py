@@ -90,6 +90,7 @@ def test_harness_config_calibrates_dpfedavg_and_writes_a_table(tmp_path):
     assert "| 5 | RC-DPFL | 90.0±0.0 | 90.0±0.0 | 80.0±0.0 |" in table and (tmp_path / "results.csv").exists()
 
 
+@pytest.mark.slow
 def test_harness_runs_a_two_round_cli_fit_with_cluster_metrics_within_budget(tmp_path, monkeypatch):
     """The harness command (in-process) runs ``python -m fedfdp.fit`` for 2 rounds and tabulates it."""
     monkeypatch.chdir(REPO)

@@ -43,6 +43,7 @@ def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
 
 
 # ---- fedfdp.fit ----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     ([ALG + "noise_multiplier", "1.5"], "cannot resume"),  # refused before the directory is locked
     ([], "nothing left to train"),  # refused after the checkpoint is restored
@@ -55,6 +56,7 @@ def test_a_refused_resume_of_fit_changes_no_file(run, capsys, args, message):
     assert dir_state(run) == before
 
 
+@pytest.mark.slow
 def test_a_refused_resume_does_not_write_a_checkpoint_only_ledger_and_an_accepted_one_does(run, capsys):
     """A run whose ledger is only in its checkpoint (as a Flower server's used to be): restoring it
     must not create privacy_ledger.jsonl before the resume is refused; a resume that trains does."""
@@ -68,6 +70,7 @@ def test_a_refused_resume_does_not_write_a_checkpoint_only_ledger_and_an_accepte
     assert rounds[0] == -1 and rounds[-1] == 2  # the migrated checkpoint entries, then round 3
 
 
+@pytest.mark.slow
 def test_a_refused_resume_with_wandb_writes_no_wandb_id(run, capsys, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -78,6 +81,7 @@ def test_a_refused_resume_with_wandb_writes_no_wandb_id(run, capsys, monkeypatch
 
 
 # ---- the Flower ServerApp and ClientApp ----------------------------------------------------------
+@pytest.mark.slow
 def test_a_refused_resume_of_the_flower_server_changes_no_file(tmp_path):
     pytest.importorskip("flwr")
     from fedfdp.errors import ConfigError, PrivacyBudgetError

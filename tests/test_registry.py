@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fedfdp.algorithms as algorithms
 from fedfdp.algorithms.base import Algorithm
 
@@ -22,6 +24,7 @@ def test_importing_the_package_imports_no_algorithm():
     assert _imported_after("import fedfdp.algorithms") == []
 
 
+@pytest.mark.slow
 def test_naming_one_algorithm_imports_its_module_only():
     assert _imported_after("import fedfdp.algorithms as a\na.FedAvg") == ["fedfdp.algorithms.base",
                                                                         "fedfdp.algorithms.fedavg"]
@@ -57,6 +60,7 @@ def test_unknown_name_is_an_attribute_error():
         algorithms.NoSuchAlgorithm  # noqa: B018
 
 
+@pytest.mark.slow
 def test_short_name_resolves_on_the_command_line(capsys):
     """``--model.algorithm FedAvg`` needs FedAvg imported: the CLI loads the registry when a parse fails."""
     code = ("from fedfdp.fit import main\n"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from callbacks import NoisyLossReporting, RDPAccounting
@@ -38,6 +39,7 @@ def _final_state(run_dir):
     return ckpt["global_step"], model, callbacks, ckpt["fedfdp"]
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_round_then_resume_equals_uninterrupted_run(tmp_path):
     rounds = "200"  # long enough that the kill lands mid-run even on an idle machine
     straight = tmp_path / "straight"
@@ -71,6 +73,7 @@ def test_sigkill_at_a_random_round_then_resume_equals_uninterrupted_run(tmp_path
     assert summary_a["final"] == summary_b["final"]
 
 
+@pytest.mark.slow
 def test_resuming_a_run_that_spent_its_budget_is_refused(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     budget = ["--trainer.callbacks.init_args.target_epsilon", "3.0", "--model.num_rounds", "null"]
@@ -103,6 +106,7 @@ def test_secure_generator_draws_standard_normals_and_runs_differ():
     assert not torch.equal(flat(a.global_model), flat(b.global_model))
 
 
+@pytest.mark.slow
 def test_report_and_comparison_are_written(tmp_path):
     runs = []
     for name, lam in (("a", "0.0"), ("b", "1.0")):

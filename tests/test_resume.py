@@ -60,6 +60,7 @@ def run(finished: Path, tmp_path: Path) -> Path:
 
 
 # ---- 1. a resume keeps the saved configuration ---------------------------------------------------
+@pytest.mark.slow
 def test_resume_with_a_changed_hyperparameter_is_refused_naming_field_and_values(run, capsys):
     code = main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "1.5", "--ckpt_path", "last"])
     err = _errors(capsys)
@@ -69,6 +70,7 @@ def test_resume_with_a_changed_hyperparameter_is_refused_naming_field_and_values
     assert saved["model"]["algorithm"]["init_args"]["noise_multiplier"] == 2.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, field", [
     (["--seed_everything", "3"], "seed_everything"),
     (["--data.init_args.alpha", "0.5"], "data.init_args.alpha"),
@@ -82,6 +84,7 @@ def test_resume_refuses_every_run_changing_field(run, capsys, args, field):
     assert len(err) == 1 and field in err[0], err
 
 
+@pytest.mark.slow
 def test_resume_allows_logging_overrides_and_more_rounds(run, capsys):
     code = main(["--config", TINY, "--run_dir", str(run), "--ckpt_path", "last", ALG + "noise_multiplier", "2.0",
                  "--model.num_rounds", "3", "--trainer.log_every_n_steps", "5", "--wandb", "disabled",
@@ -93,6 +96,7 @@ def test_resume_allows_logging_overrides_and_more_rounds(run, capsys):
     assert saved["model"]["num_rounds"] == 3 and saved["model"]["algorithm"]["init_args"]["noise_multiplier"] == 2.0
 
 
+@pytest.mark.slow
 def test_resume_needs_no_config_it_reads_the_run_directory(run, capsys):
     assert main(["--run_dir", str(run), "--ckpt_path", "last", "--model.num_rounds", "3"]) == 0, _errors(capsys)
     summary = json.loads((run / "summary.json").read_text())
@@ -109,6 +113,7 @@ def test_resume_without_config_of_a_directory_without_config_yaml_is_refused(tmp
 
 
 # ---- 2. a refused start changes no file ----------------------------------------------------------
+@pytest.mark.slow
 def test_refused_resume_changes_no_file(run, capsys):
     (run / "privacy_ledger.jsonl").write_text('{"round": 0}\n')  # whatever the run dir holds stays as is
     before = _snapshot(run)
@@ -135,6 +140,7 @@ def test_fresh_start_into_a_started_run_without_summary_is_refused(run, capsys):
 
 
 # ---- 3. metrics, report, summary and progress bar span the whole run ------------------------------
+@pytest.mark.slow
 def test_metrics_and_report_span_every_session_without_duplicate_rounds(run, capsys):
     older = run / "round-2-copy.ckpt"
     shutil.copy(run / "checkpoints" / "last.ckpt", older)
@@ -152,6 +158,7 @@ def test_metrics_and_report_span_every_session_without_duplicate_rounds(run, cap
     assert "4 of 4 planned rounds" in (run / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_progress_bar_counts_rounds_of_the_whole_run_after_resume(run, capsys):
     code = main(["--run_dir", str(run), "--ckpt_path", "last", "--model.num_rounds", "3",
                  "--trainer.enable_progress_bar", "true"])
@@ -161,6 +168,7 @@ def test_progress_bar_counts_rounds_of_the_whole_run_after_resume(run, capsys):
     assert last and "3/3" in last[-1], out[-500:]
 
 
+@pytest.mark.slow
 def test_summary_has_seed_and_wall_time_summed_over_sessions(run, capsys):
     first = json.loads((run / "summary.json").read_text())
     assert first["seed"] == 0 and first["wall_seconds"] > 0
@@ -204,6 +212,7 @@ def test_failed_start_leaves_no_run_directory(tmp_path, capsys, args):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_config_yaml_records_the_default_run_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["--config", TINY, "--model.num_rounds", "1"]) == 0, _errors(capsys)
@@ -225,6 +234,7 @@ def _holder(run_dir: Path) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_busy_run_directory_is_refused_naming_the_holder_and_a_killed_holder_does_not_block(tmp_path, capsys):
     run_dir = tmp_path / "run"
     proc = _holder(run_dir)
@@ -280,6 +290,7 @@ def test_config_differences_allow_list_class_changes_and_round_rule():
 
 
 # ---- 6. checkpoint cadence ------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [None, 1])
 def test_checkpoint_every_sets_how_many_rounds_a_killed_run_replays(tmp_path, capsys, every):
     """Round checkpoints follow ``--checkpoint_every`` (default ``model.eval_every``): with

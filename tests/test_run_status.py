@@ -46,6 +46,7 @@ def _ledger_rounds(run_dir: Path) -> int:
 
 
 # ---- status ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_status_completed_after_num_rounds_and_budget_spent_when_the_budget_sets_the_rounds(tmp_path, capsys):
     assert main(["--config", TINY, "--run_dir", str(tmp_path / "a")]) == 0
     assert _summary(tmp_path / "a")["status"] == "completed"
@@ -144,6 +145,7 @@ def test_a_trainer_option_fedfdp_cannot_honour_is_refused_in_one_line(tmp_path, 
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_fedfdp_defaults_and_harmless_values_of_trainer_options_are_accepted(tmp_path, capsys):
     args = ["--trainer.precision", "32-true", "--trainer.enable_checkpointing", "true", "--trainer.inference_mode",
             "true", "--trainer.deterministic", "true"]
@@ -164,6 +166,7 @@ def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypat
 NET = "--model.client.init_args.net.init_args."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "message"), [
     ([NET + "num_classes", "3"], "the data has 4 classes: set its num_classes to 4"),
     ([NET + "num_classes", "7"], "the data has 4 classes: set its num_classes to 4"),
@@ -182,6 +185,7 @@ def test_a_model_that_does_not_fit_the_data_is_refused_and_the_corrected_command
     assert _summary(run_dir)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_metrics_csv_has_a_round_column_equal_to_the_round(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir), "--model.num_rounds", "3"]) == 0
@@ -192,6 +196,7 @@ def test_metrics_csv_has_a_round_column_equal_to_the_round(tmp_path, capsys):
     assert list(rows[0])[:2] == ["round", "step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--trainer.max_steps", "5"], ["--trainer.callbacks.init_args.delta", "0.5"],
                                   [NET + "num_classes", "3"], ["--model.algorithm", "fedfdp.algorithms.FedAvg"]],
                          ids=["trainer-option", "delta", "num-classes", "non-private-algorithm"])

@@ -138,6 +138,7 @@ def test_run_all_keeps_the_order_and_launches_nothing_after_the_caller_stops(tmp
     assert [r.status for r in results] == ["skipped", "ran", "ran", "ran"] and len(fake.calls) == 4
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_from_its_checkpoint_to_the_end(tmp_path):
     """A real run stopped after round 1 of 2 is resumed with --ckpt_path last, then skipped."""
     run_dir = tmp_path / "run"

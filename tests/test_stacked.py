@@ -69,6 +69,7 @@ def _assert_same_run(stacked_run, per_client_run) -> None:
         assert math.isclose(diag_s["train_loss"], diag_p["train_loss"], rel_tol=1e-5, abs_tol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net_kind", ["mlp", "conv"])
 @pytest.mark.parametrize("algorithm", ["dpfedavg", "fedfdp"])
 def test_stacked_round_equals_per_client_round(monkeypatch, algorithm, net_kind):

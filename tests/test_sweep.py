@@ -44,6 +44,7 @@ FAMILIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_sweep_run_equals_the_run_alone(tmp_path, family):
     config, extra = FAMILIES[family]
@@ -68,6 +69,7 @@ def test_a_sweep_run_equals_the_run_alone(tmp_path, family):
         assert len(ledger) == len((alone / "privacy_ledger.jsonl").read_text().splitlines())
 
 
+@pytest.mark.slow
 def test_a_grid_names_its_runs_and_varies_their_values(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("model.algorithm.init_args.lr: [0.5, 2.0]\n")
@@ -105,6 +107,7 @@ class SignalAtRound(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_every_run(tmp_path):
     config = str(CONFIGS / "tiny_fedfdp.yaml")
     rounds = ["--model.num_rounds", "5"]

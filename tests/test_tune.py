@@ -212,6 +212,7 @@ class FakeTrials:
         return float(overrides["model.algorithm.init_args.lr"]), {"run_dirs": [str(settings.run_dir(number, 0))]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [2, 3])
 def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result(tmp_path, monkeypatch, jobs):
     from fedfdp.experiments import tune
@@ -231,6 +232,7 @@ def test_parallel_trials_draw_the_sequential_studys_values_and_keep_every_result
     assert best["trial"] == parallel.best_trial.number and best["trials_finished"] == 6
 
 
+@pytest.mark.slow
 def test_parallel_study_stops_when_its_first_trials_all_fail(tmp_path, monkeypatch, capsys):
     from fedfdp.experiments import tune
 
@@ -331,6 +333,7 @@ def test_shipped_search_spaces_load_and_start_from_their_base_config(path):
     assert "8 Optuna trials" in path.read_text()  # the same budget for every method
 
 
+@pytest.mark.slow
 def test_a_study_continues_from_another_checkout_but_not_with_another_config(tmp_path, capsys):
     """The study is tied to the config's content, not its path: study.db copied beside a copy of the
     checkout continues (issue 23 item 6 runs across sessions); a config whose content differs is refused."""
@@ -354,6 +357,7 @@ def test_a_study_continues_from_another_checkout_but_not_with_another_config(tmp
     assert "is not the one the study" in err and str(first) in err
 
 
+@pytest.mark.slow
 def test_batched_trials_draw_the_sequential_studys_values_in_batches_of_r(tmp_path, monkeypatch):
     from fedfdp.experiments import tune
 

@@ -233,6 +233,7 @@ def test_docstring_examples() -> None:
 
 
 # ---- the PRV accountant (Opacus' PRVAccountant) -----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("sigma", [0.8, 2.0, 5.0])
 @pytest.mark.parametrize("q", [0.01, 0.05, 0.2])
 @pytest.mark.parametrize("steps", [1, 50, 683])
@@ -244,6 +245,7 @@ def test_prv_epsilon_is_at_most_rdp_epsilon_on_a_grid(sigma, q, steps):
     assert prv_epsilon(events, 1e-5) <= epsilon_of(events, 1e-5) + 1e-9
 
 
+@pytest.mark.slow
 def test_prv_ledger_matches_opacus_prv_accountant_stepped_alone():
     from opacus.accountants import PRVAccountant
 
@@ -255,6 +257,7 @@ def test_prv_ledger_matches_opacus_prv_accountant_stepped_alone():
     assert ledger.epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), abs=0.01)
 
 
+@pytest.mark.slow
 def test_prv_gives_fedfdp_more_rounds_at_the_paper_budget():
     per_round = [DPEvent(noise_multiplier=2.0, sample_rate=0.05), DPEvent(noise_multiplier=5.0, sample_rate=0.05)]
     rdp_rounds = max_rounds(per_round, target_epsilon=3.52, delta=1e-5)
@@ -267,6 +270,7 @@ def test_prv_gives_fedfdp_more_rounds_at_the_paper_budget():
         max_rounds(per_round, target_epsilon=3.52, delta=1e-5, accountant="prv", rule="paper_code")
 
 
+@pytest.mark.slow
 def test_a_run_with_the_prv_accountant_plans_more_rounds_and_keeps_the_target():
     from callbacks import NoisyLossReporting, RDPAccounting
     from fedfdp import FedFDP

@@ -45,6 +45,7 @@ def test_non_private_algorithm_with_dp_callbacks_is_refused_before_the_run_direc
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_allow_non_private_runs_it_with_no_claim(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
@@ -138,6 +139,7 @@ def test_delta_at_or_above_one_over_the_smallest_client_is_refused():
     assert privacy_claims(trainer, fed)["dp_valid"]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(sigma=st.floats(0.3, 20.0), q=st.floats(0.001, 1.0), steps=st.integers(1, 2000),
        delta=st.floats(1e-12, 0.999))
@@ -226,6 +228,7 @@ def test_every_algorithm_that_overrides_an_evaluation_hook_declares_what_it_cove
     assert DPDitto(**DP, private_personal=False, personal_lr=0.05).covers_evaluated_models() is False
 
 
+@pytest.mark.slow
 def test_summary_json_and_report_say_which_models_epsilon_covers(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir)]) == 0, capsys.readouterr().err
@@ -235,6 +238,7 @@ def test_summary_json_and_report_say_which_models_epsilon_covers(tmp_path, capsy
     assert "ε covers every release and every evaluated model" in report
 
 
+@pytest.mark.slow
 def test_every_shipped_dp_config_declares_every_upload_private(tmp_path):
     """Every config with an accountant and no allow_non_private builds a run whose claims hold."""
     import yaml

@@ -111,6 +111,7 @@ def check_steps(alg: ClusteredDPFL, client: SpyClient, data: ClientData, round_i
         torch.testing.assert_close(noise, clip * z * step["xi"], rtol=0.0, atol=clip * (z + 1) * 1e-4 + rounding)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cls=st.sampled_from(FAMILY), round_idx=st.integers(0, 1), clip=st.floats(0.01, 10.0),
        zs=st.lists(st.floats(0.1, 5.0), min_size=NUM_CLIENTS, max_size=NUM_CLIENTS),
