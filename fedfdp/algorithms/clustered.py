@@ -46,7 +46,7 @@ from fedfdp.privacy.clipping import FlatClip
 from fedfdp.privacy.release import exponential_selection
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import poisson_mask
+from fedfdp.seeding import poisson_mask, select_rows
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
 
@@ -325,7 +325,7 @@ class ClusteredDPFL(Algorithm):
         x, y = data.x, data.y
         if not full_batch:
             mask = poisson_mask(data.size, q, generator)
-            x, y = x[mask], y[mask]
+            x, y = select_rows(mask, x, y)
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
                           noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
                           denominator=q * data.size, generator=generator,

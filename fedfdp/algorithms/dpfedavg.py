@@ -16,7 +16,7 @@ from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask, select_rows
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 
@@ -92,7 +92,7 @@ class DPFedAvg(Algorithm):
         is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
         """
         mask = poisson_mask(data.size, self.sample_rate, generator)
-        x, y = data.x[mask], data.y[mask]
+        x, y = select_rows(mask, data.x, data.y)
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)
