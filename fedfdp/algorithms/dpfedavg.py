@@ -8,7 +8,6 @@ client's ledger by :class:`callbacks.RDPAccounting`.
 
 from __future__ import annotations
 
-from callbacks.accounting import RDPAccounting
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.errors import require
@@ -36,7 +35,7 @@ class DPFedAvg(Algorithm):
 
     supports_distributed = True  # see Algorithm.supports_distributed
 
-    required_callbacks = (RDPAccounting,)
+    required_callbacks = ("callbacks.RDPAccounting",)
 
     def __init__(self, *, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
                  noise_multiplier: float = 2.0, local_steps: int = 1,
