@@ -6,8 +6,11 @@
 #
 #   bash benchmarks/gpu_session.sh check     # CUDA tests, then the sweep benchmark of configs/fmnist.yaml (8 runs)
 #   bash benchmarks/gpu_session.sh studies   # Table VI and V (FedFDP, DP-FedAvg) as sweeps, the 32-run benchmark
+#   bash benchmarks/gpu_session.sh table4 S  # Table IV's missing runs as 16 side-by-side fit processes (started
+#                                            # once, detached; a later call finds them running or resumes them),
+#                                            # waiting at most S seconds, then the finished runs' files to $OUT
 set -u
-step=${1:?usage: gpu_session.sh check|studies}
+step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 exec > >(tee -a "$out/$step.log") 2>&1
@@ -15,6 +18,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled PYTHONUNBUFFERED=1
 export FEDFDP_DATA_DIR=$PWD/.gpu/data
+if [ "$step" = table4 ]; then
+  # 16 processes share the GPU: one thread each (16 cores), and each process's caching allocator capped
+  # (the third lease lost a run to out-of-memory when 15 processes each cached 4-14 GB)
+  export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True FEDFDP_CUDA_MEMORY_FRACTION=0.055
+  cat > /tmp/site/sitecustomize.py <<'PY'
+import os
+if os.environ.get("FEDFDP_CUDA_MEMORY_FRACTION"):
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(os.environ["FEDFDP_CUDA_MEMORY_FRACTION"]))
+PY
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, lightning, opacus; print('torch', torch.__version__, 'lightning', lightning.__version__, 'opacus', opacus.__version__, 'cpus', torch.get_num_threads())"
 start=$(date +%s)
@@ -38,5 +53,25 @@ elif [ "$step" = studies ]; then
   echo "studies: $(( $(date +%s) - start )) s"
   # the finished runs without their checkpoints (what comes back is at most 64 MiB)
   tar -czf "$out/paper_runs.tgz" --exclude=checkpoints --exclude=plots runs/paper
+  ls -la "$out"
+fi
+if [ "$step" = table4 ]; then
+  wait_s=${2:?usage: gpu_session.sh table4 SECONDS}
+  fit="--fit-args --trainer.accelerator gpu"
+  # the harnesses' own PIDs (a pgrep pattern also matches wrappers); started again when a call finds them
+  # gone: a paper-table harness skips finished runs and resumes unfinished ones from their last checkpoint
+  alive() { [ -f /tmp/table4_$1.pid ] && kill -0 "$(cat /tmp/table4_$1.pid)" 2>/dev/null; }
+  alive fmnist || { setsid nohup python3 -m fedfdp.experiments paper-table4 --dataset fmnist --seeds 0 1 2 \
+      --methods fedprox_dp feddyn_dp alidpfl --jobs 5 --out runs/paper $fit >> /tmp/table4_fmnist.log 2>&1 < /dev/null &
+    echo $! > /tmp/table4_fmnist.pid; }
+  alive mnist || { setsid nohup python3 -m fedfdp.experiments paper-table4 --dataset mnist --seeds 0 1 2 \
+      --jobs 11 --out runs/paper $fit >> /tmp/table4_mnist.log 2>&1 < /dev/null &
+    echo $! > /tmp/table4_mnist.pid; }
+  while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && { alive fmnist || alive mnist; }; do sleep 5; done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  grep -h -E " done |Error|error:" /tmp/table4_*.log | tail -40
+  echo "table4: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/paper/table4/*/*/seed*/summary.json 2>/dev/null | wc -l)"
+  tar -czf "$out/table4_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/paper/table4
+  cp /tmp/table4_*.log "$out/" 2>/dev/null
   ls -la "$out"
 fi

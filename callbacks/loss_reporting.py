@@ -23,7 +23,7 @@ from fedfdp.metrics import eval_batch_size, weighted_variance
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import LossClipRule, NormalizeBy, batch_denominator, next_loss_bound, noisy_loss_release
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import poisson_mask
+from fedfdp.seeding import poisson_mask, select_rows
 from fedfdp.types import LOSS_RELEASE, ClientData, ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class NoisyLossReporting(LossReporting):
         rate = self._rate(federation)
         gen = federation.generator("loss", federation.current_round, data.client_id)
         mask = poisson_mask(data.size, rate, gen)
-        losses = self._losses(client, data.x[mask], data.y[mask])
+        losses = self._losses(client, *select_rows(mask, data.x, data.y))
         bound = self.bound(data.client_id)
         denominator = batch_denominator(self.normalize_by, sample_rate=rate, dataset_size=data.size,
                                         realized=int(losses.shape[0]), constant=1.0)

@@ -27,6 +27,7 @@ from lightning.pytorch import LightningModule, Trainer
 from callbacks.base import FederationCallback
 from fedfdp.errors import require
 from fedfdp.privacy.sia_metrics import fairness_in_privacy, sia_accuracy, summarize_rounds
+from fedfdp.rundir import RunPaths
 from fedfdp.seeding import numpy_generator
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class SourceInferenceAudit(FederationCallback):
         metrics.update(table)
         result.scalars.update(table)
         if self.write_json and trainer.default_root_dir:
-            path = Path(trainer.default_root_dir) / "sia.json"
+            path = RunPaths(trainer.default_root_dir).sia
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"per_client": self.per_client, "history": self.history, "table": table}))
 

@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from callbacks.base import FederationCallback
 from fedfdp.errors import DivergenceError
 from fedfdp.participation import MISSING_CLIENTS_STATUSES, final_status
+from fedfdp.rundir import RunPaths
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -117,14 +118,14 @@ class RunSummary(FederationCallback):
     def _path(self, trainer: Trainer) -> Path:
         path = Path(self.dirpath or trainer.default_root_dir)
         path.mkdir(parents=True, exist_ok=True)
-        return path / "summary.json"
+        return RunPaths(path).summary
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """On a resume, count the wall time of the earlier sessions as their last summary has it."""
         self._training = True
         if trainer.ckpt_path is None:
             return
-        path = Path(self.dirpath or trainer.default_root_dir) / "summary.json"
+        path = RunPaths(self.dirpath or trainer.default_root_dir).summary
         try:
             earlier = float(json.loads(path.read_text()).get("wall_seconds") or 0.0)
         except (OSError, ValueError, TypeError, AttributeError):

@@ -28,9 +28,9 @@ from fedfdp.privacy.per_sample import ghost_unsupported_reason
 if TYPE_CHECKING:
     from torch.optim.swa_utils import AveragedModel
 
-    from datamodules.federated import FederatedDataModule
     from fedfdp.algorithms.base import Algorithm
     from fedfdp.client import ClientModule
+    from fedfdp.interfaces import FederatedData
 
 __all__ = ["FederationEvaluation", "TRAIN_EVAL_EVERY"]
 
@@ -52,7 +52,7 @@ class FederationEvaluation:
     algorithm: Algorithm
     global_model: torch.nn.Module
     global_ema: AveragedModel | None
-    datamodule: FederatedDataModule
+    datamodule: FederatedData
     device: torch.device
     eval_every: int
     eval_train_splits: bool

@@ -10,7 +10,7 @@ optimization Lightning counts ``global_step`` only when that optimizer steps, so
 and callbacks are Lightning's own.
 
 The loop knows no algorithm and no DP formula: it calls the algorithm's hooks and the
-federation callbacks' hooks in a fixed phase order (see :mod:`callbacks.base`).
+federation callbacks' hooks in a fixed phase order (:class:`fedfdp.interfaces.FederationHooks`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from torch.nn.utils import parameters_to_vector
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, IterableDataset
 
-from callbacks.base import FederationCallback, find_accountant
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule, trainable
 from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.evaluation import TRAIN_EVAL_EVERY, FederationEvaluation
+from fedfdp.interfaces import FederatedData, FederationHooks, is_federated_data, is_instance_of
 from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, PrivacyError, require
 from fedfdp.memory import TRIM_EVERY, release_freed_memory
 from fedfdp.metrics import EvaluationResult, eval_batch_size
 from fedfdp.plan import check_expected_batches, check_round_count
+from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.mechanism import current_trace, tracing, verify_upload
 from fedfdp.privacy.uploads import POST_PROCESSING, declared_upload_privacy
@@ -164,12 +165,10 @@ class Federation(FederationEvaluation, LightningModule):
 
     def setup(self, stage: str) -> None:
         """Bind the data, check required callbacks, let the algorithm validate, fix the round count."""
-        from datamodules.federated import FederatedDataModule  # runtime import: datamodules imports fedfdp
-
         datamodule = self.trainer.datamodule
-        if not isinstance(datamodule, FederatedDataModule):
+        if not is_federated_data(datamodule):  # a datamodules.FederatedDataModule, or anything with its members
             raise ConfigError(f"data must be a datamodules.FederatedDataModule, got {type(datamodule).__name__}")
-        self.datamodule: FederatedDataModule = datamodule
+        self.datamodule: FederatedData = datamodule
         require(self.clients_per_round is None or self.clients_per_round <= datamodule.num_clients,
                 f"model.clients_per_round must be <= data.num_clients={datamodule.num_clients}, "
                 f"got {self.clients_per_round}")
@@ -177,9 +176,9 @@ class Federation(FederationEvaluation, LightningModule):
         callbacks = self.federation_callbacks()
         find_accountant(callbacks)  # a second accountant is refused before anything is charged
         for required in self.algorithm.required_callbacks:
-            if not any(isinstance(cb, required) for cb in callbacks):
+            if not any(is_instance_of(cb, required) for cb in callbacks):
                 raise ConfigError(
-                    f"{type(self.algorithm).__name__} needs a callbacks.{required.__name__} in trainer.callbacks "
+                    f"{type(self.algorithm).__name__} needs a {required} in trainer.callbacks "
                     f"(it privatises/accounts or provides what the algorithm releases)")
         self._check_distributed(callbacks)
         self.algorithm.setup(self)
@@ -231,7 +230,7 @@ class Federation(FederationEvaluation, LightningModule):
             logger.info("privacy budget allows %d of the %d requested rounds", self.total_rounds, self.num_rounds)
         self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds
 
-    def _check_distributed(self, callbacks: list[FederationCallback]) -> None:
+    def _check_distributed(self, callbacks: list[FederationHooks]) -> None:
         """Several processes need a strategy that does not all-reduce gradients, and parts that allow it."""
         from lightning.pytorch.strategies import ParallelStrategy
 
@@ -298,8 +297,9 @@ class Federation(FederationEvaluation, LightningModule):
         return self.datamodule.num_clients
 
     @property
-    def accountant(self) -> Any:
-        """The run's privacy accountant (``callbacks.RDPAccounting``; None for a run without one).
+    def accountant(self) -> PrivacyAccountant | None:
+        """The run's privacy accountant (:class:`~fedfdp.privacy.accountant.PrivacyAccountant`:
+        ``callbacks.RDPAccounting``; None for a run without one).
 
         The one owner of the privacy accounting: every module that needs ε, δ, the ledgers or the
         budget asks here. A second accountant in ``trainer.callbacks`` is refused at start.
@@ -309,11 +309,11 @@ class Federation(FederationEvaluation, LightningModule):
     #: On a deployed node, the run's accounting callback, read there for its settings only (target
     #: ε, δ, orders: e.g. a clustered algorithm's noise calibration) and never run: the client's own
     #: ledger charges its releases (:mod:`fedfdp.flower.node`). None in a simulation and on the server.
-    node_accounting: Any = None
+    node_accounting: PrivacyAccountant | None = None
 
-    def federation_callbacks(self) -> list[FederationCallback]:
+    def federation_callbacks(self) -> list[FederationHooks]:
         """The trainer's callbacks that have federation hooks."""
-        return [cb for cb in self.trainer.callbacks if isinstance(cb, FederationCallback)]
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, FederationHooks)]
 
     def planned_dp_events(self, client_id: int) -> list[tuple[str, DPEvent]]:
         """Every DP event one round of ``client_id`` will charge (algorithm and callbacks)."""
@@ -376,10 +376,10 @@ class Federation(FederationEvaluation, LightningModule):
             return
         message = (f"round {self.current_round + 1}: client {update.client_id}'s upload {problems[0]}; it was not "
                    f"released")
-        if not getattr(accountant, "allow_non_private", False):
+        if not accountant.allow_non_private:
             raise PrivacyError(message)
         logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", message)
-        accountant.unbounded = True
+        accountant.mark_non_private()
 
     def train_client(self, client_id: int, context: RoundContext, global_params: torch.Tensor) -> ClientUpdate:
         """One client's local update from ``global_params`` and its release (charged before it returns).

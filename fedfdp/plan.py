@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from fedfdp.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 __all__ = ["MAX_ROUNDS", "check_expected_batches", "check_round_count"]
 
@@ -48,7 +48,7 @@ def check_round_count(total_rounds: int, num_rounds: int | None, budget_rounds: 
     raise ConfigError(f"model.num_rounds must be at most {MAX_ROUNDS:,}, got {num_rounds:,}")
 
 
-def check_expected_batches(federation: Federation) -> None:
+def check_expected_batches(federation: FederationView) -> None:
     """Refuse a private release whose expected Poisson batch ``q·|D_i|`` is below one record for a client.
 
     Every Poisson-sampled event (``sample_rate < 1``) of every client's planned round is checked

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedfdp.cli.errors import OneLineErrorParser
 from fedfdp.participation import coverage_note, has_missing_clients
+from fedfdp.rundir import PLOTS_DIR, SUMMARY_NAME, RunPaths
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ SERIES = {  # metric -> (title, y label, log scale)
 
 def read_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Per-metric ``[(round, value)]`` from ``metrics.csv`` (empty cells skipped)."""
-    path = run_dir / "metrics.csv"
+    path = RunPaths(run_dir).metrics
     if not path.exists():
         return {}
     series: dict[str, list[tuple[int, float]]] = {}
@@ -154,9 +155,9 @@ def _summary(run_dir: Path) -> dict[str, Any]:
     """The run's ``summary.json``; FileNotFoundError (one line) when the folder or the file is missing."""
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} does not exist or is not a directory (expected a fedfdp run directory)")
-    path = run_dir / "summary.json"
+    path = RunPaths(run_dir).summary
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no summary.json (not a fedfdp run directory, or no evaluation yet)")
+        raise FileNotFoundError(f"{run_dir} has no {SUMMARY_NAME} (not a fedfdp run directory, or no evaluation yet)")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -187,7 +188,7 @@ def write_report(run_dir: str | Path) -> Path:
 def _write_report(run_dir: Path) -> Path:
     summary = _summary(run_dir)
     metrics = read_series(run_dir, summary)
-    plots = run_dir / "plots"
+    plots = RunPaths(run_dir).plots
     plots.mkdir(exist_ok=True)
     images: list[tuple[str, str]] = []
     for key, (title, ylabel, log) in SERIES.items():
@@ -195,11 +196,11 @@ def _write_report(run_dir: Path) -> Path:
             target = summary.get("target_epsilon") if key == "epsilon" else None
             _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log,
                        hline=(target, f"target ε = {target}") if target else None)
-            images.append((title, f"plots/{key}.png"))
+            images.append((title, f"{PLOTS_DIR}/{key}.png"))
     _client_bars(plots / "clients.png", summary)
-    images.append(("Per-client accuracy", "plots/clients.png"))
+    images.append(("Per-client accuracy", f"{PLOTS_DIR}/clients.png"))
     if _factor_plot(plots / "clip_factors.png", metrics):
-        images.append(("Clip factors", "plots/clip_factors.png"))
+        images.append(("Clip factors", f"{PLOTS_DIR}/clip_factors.png"))
     final = summary["final"]
     lines = [f"# Run report: {run_dir.name}", "",
              f"Algorithm **{summary['algorithm']}**, {summary['num_clients']} clients, "
@@ -228,7 +229,7 @@ def _write_report(run_dir: Path) -> Path:
     lines.append("")
     for title, rel in images:
         lines += [f"## {title}", "", f"![{title}]({rel})", ""]
-    report = run_dir / "report.md"
+    report = RunPaths(run_dir).report
     report.write_text("\n".join(lines))
     return report
 
@@ -285,7 +286,7 @@ def _fmt(value: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m fedfdp.report``."""
     parser = OneLineErrorParser(prog="python -m fedfdp.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (each with summary.json)")
+    parser.add_argument("run_dirs", nargs="+", type=Path, help=f"run directories (each with {SUMMARY_NAME})")
     parser.add_argument("--out", type=Path, default=None, help="output folder of a comparison of several runs")
     args = parser.parse_args(argv)
     try:
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyError as err:
-        print(f"error: a summary.json lacks the key {err} (written by an older fedfdp?)", file=sys.stderr)
+        print(f"error: a {SUMMARY_NAME} lacks the key {err} (written by an older fedfdp?)", file=sys.stderr)
         return 2
     return 0
 

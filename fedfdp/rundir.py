@@ -1,7 +1,8 @@
-"""The run directory: one run per directory, and a resume that is the same run.
+"""The run directory: the one owner of its file names; one run per directory, and a resume that is the same run.
 
 A run directory (``--run_dir``) holds one run: ``config.yaml``, ``metrics.csv``, ``checkpoints/``,
-``summary.json``, ``report.md``, ``privacy_ledger.jsonl``. The command line (:mod:`fedfdp.cli.parser`)
+``summary.json``, ``report.md``, ``privacy_ledger.jsonl`` (:class:`RunPaths`; every module that
+reads or writes one of them takes its name from here). The command line (:mod:`fedfdp.cli.parser`)
 uses this module, before it writes anything, to
 
 * refuse a fresh start into a directory that already holds a run (:func:`run_files`);
@@ -24,6 +25,7 @@ import socket
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,103 @@ from fedfdp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# ---- the run directory's files: their names are written here and nowhere else ----------------------
 CONFIG_NAME = "config.yaml"
+"""The resolved configuration (LightningCLI's config callback), what a resume is compared with."""
 LOCK_NAME = "run.lock"
+"""Held by the process that runs in the directory (:class:`RunLock`)."""
+METRICS_NAME = "metrics.csv"
+"""One row per round (:class:`fedfdp.runlog.RunCSVLogger`)."""
+HPARAMS_NAME = "hparams.yaml"
+"""The run's configuration as the CSV logger records it."""
+SUMMARY_NAME = "summary.json"
+"""The run's results and status (``callbacks.RunSummary``), rewritten after every evaluation."""
+REPORT_NAME = "report.md"
+"""The run's report (:mod:`fedfdp.report`), with its figures in :data:`PLOTS_DIR`."""
+PLOTS_DIR = "plots"
+LEDGER_NAME = "privacy_ledger.jsonl"
+"""The durable privacy ledger (:mod:`fedfdp.privacy.ledger_file`; other processes' ranks beside it)."""
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_FILENAME = "round-{step}"
+"""Lightning's ``ModelCheckpoint`` file name of a round's checkpoint (``round-<global step>.ckpt``)."""
+LAST_CHECKPOINT = f"{CHECKPOINTS_DIR}/last.ckpt"
+"""The latest checkpoint (``ModelCheckpoint(save_last=True)``), what ``--ckpt_path last`` resumes."""
+SIA_NAME = "sia.json"
+"""The source-inference audit's per-client record (``callbacks.SourceInferenceAudit``)."""
+DEPLOYMENT_RECORD_NAME = "flower_clients.json"
+"""A Flower deployment's record of its clients (:mod:`fedfdp.flower.server_app`)."""
+LOG_NAME = "fit.log"
+"""The run's output, as the experiment harness (:mod:`fedfdp.experiments.runner`) keeps it."""
+HARNESS_NAME = "harness.json"
+"""The harness's record of the command it ran, its exit status and wall time."""
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The paths of a run directory's files (``RunPaths(run_dir).summary``, ...)."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_NAME
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_NAME
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_NAME
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_NAME
+
+    @property
+    def plots(self) -> Path:
+        return self.root / PLOTS_DIR
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / LEDGER_NAME
+
+    def ledger_files(self) -> list[Path]:
+        """Every process's ledger file (``privacy_ledger.jsonl``, ``privacy_ledger.rank<r>.jsonl``)."""
+        stem, suffix = Path(LEDGER_NAME).stem, Path(LEDGER_NAME).suffix
+        return sorted(self.root.glob(f"{stem}*{suffix}"))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.root / LAST_CHECKPOINT
+
+    @property
+    def sia(self) -> Path:
+        return self.root / SIA_NAME
+
+    @property
+    def deployment_record(self) -> Path:
+        return self.root / DEPLOYMENT_RECORD_NAME
+
+    @property
+    def log(self) -> Path:
+        return self.root / LOG_NAME
+
+    @property
+    def harness(self) -> Path:
+        return self.root / HARNESS_NAME
+
 
 #: Dotted config paths a resume may change: they only affect logging, progress display, where
 #: things are read from, or how this invocation starts. Everything else (``model.*``, ``data.*``,
@@ -138,14 +235,13 @@ def run_files(run_dir: Path) -> list[str]:
     """
     if not run_dir.is_dir():
         return []
-    found = ["summary.json"] if (run_dir / "summary.json").is_file() else []
-    metrics = run_dir / "metrics.csv"
-    if metrics.is_file() and _has_lines(metrics, 2):
-        found.append("metrics.csv")
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        found.append("checkpoints/")
-    found += sorted(p.name for p in run_dir.glob("privacy_ledger*.jsonl") if _has_lines(p, 1))
+    paths = RunPaths(run_dir)
+    found = [SUMMARY_NAME] if paths.summary.is_file() else []
+    if paths.metrics.is_file() and _has_lines(paths.metrics, 2):
+        found.append(METRICS_NAME)
+    if paths.checkpoints.is_dir() and any(paths.checkpoints.iterdir()):
+        found.append(f"{CHECKPOINTS_DIR}/")
+    found += sorted(p.name for p in paths.ledger_files() if _has_lines(p, 1))
     return found
 
 

@@ -21,6 +21,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from fedfdp.rundir import HPARAMS_NAME, METRICS_NAME
+
 
 class MergingExperimentWriter(ExperimentWriter):
     """Writes ``metrics.csv`` as one row per step, merged with the rows already in the file.
@@ -28,6 +30,9 @@ class MergingExperimentWriter(ExperimentWriter):
     Each row starts with ``round`` (1-based: the round whose metrics it holds) and Lightning's
     ``step`` (``round - 1``).
     """
+
+    NAME_METRICS_FILE = METRICS_NAME  # Lightning's names, stated by the run directory's owner
+    NAME_HPARAMS_FILE = HPARAMS_NAME
 
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir=log_dir)

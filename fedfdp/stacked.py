@@ -55,12 +55,12 @@ from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, Sta
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 logger = logging.getLogger(__name__)
 
 
-def unstackable_reason(federation: Federation) -> str | None:
+def unstackable_reason(federation: FederationView) -> str | None:
     """Why this federation's round must run client by client (None when it may be stacked).
 
     The stacked path replaces the algorithm's ``local_update`` and the client's ``training_step``
@@ -135,7 +135,7 @@ class StackedRound:
         self._logged: set[str] = set()
         self._grouped: GroupedNetwork | None = None  # built once, at the first round with several start models
 
-    def plan(self, federation: Federation, context: RoundContext) -> StackedStepSpec | None:
+    def plan(self, federation: FederationView, context: RoundContext) -> StackedStepSpec | None:
         """The algorithm's stackable step for this round, or None (per-client path; reason logged once)."""
         reason = unstackable_reason(federation)
         spec = None
@@ -149,7 +149,7 @@ class StackedRound:
             logger.info("stacked round off, clients train one by one: %s", reason)
         return spec
 
-    def run(self, federation: Federation, spec: StackedStepSpec, client_ids: list[int],
+    def run(self, federation: FederationView, spec: StackedStepSpec, client_ids: list[int],
             global_params: Tensor, context: RoundContext) -> list[ClientUpdate]:
         """The round's uploads of ``client_ids`` (in that order), each released through the callbacks.
 
@@ -165,7 +165,7 @@ class StackedRound:
                                            [starts[k] for k in group]))
         return updates
 
-    def _compute(self, federation: Federation, starts: list[Tensor], batches: list[LocalBatch]) -> PerSampleResult:
+    def _compute(self, federation: FederationView, starts: list[Tensor], batches: list[LocalBatch]) -> PerSampleResult:
         """One engine pass over the clients' batches (concatenated in order), each at its start model.
 
         Consecutive clients with the same start model (the same tensor) form one model group: one
@@ -184,7 +184,7 @@ class StackedRound:
         sizes = [sum(int(batches[k].y.shape[0]) for k in range(lo, hi)) for lo, hi in zip(bounds, ends)]
         return self._grouped.compute(torch.stack([starts[k] for k in bounds]), sizes, x, y)
 
-    def _run_group(self, federation: Federation, spec: StackedStepSpec, client_ids: list[int],
+    def _run_group(self, federation: FederationView, spec: StackedStepSpec, client_ids: list[int],
                    starts: list[Tensor]) -> list[ClientUpdate]:
         """One engine pass at the start models over the group's batches, then each client's step and
         release in order."""

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import Tensor
 
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule
 from fedfdp.seeding import RandomSource
-
-if TYPE_CHECKING:
-    from fedfdp.client import ClientModule
 
 MODEL_RELEASE = "model"
 """Kind of a DP event that privatises a model update (counted in every accounting mode)."""
@@ -134,11 +131,12 @@ class StackedStepSpec:
             ``generator`` and returns its private step's input (a fresh clip rule, lr, noise std
             ``σC``, denominator, and ``generator`` itself, from which the noise is drawn next).
         update: ``(client, data, step_output) -> ClientUpdate``: the upload once the step is
-            taken (the local model is read from ``client``).
+            taken (the local model is read from ``client``, the run's
+            :class:`fedfdp.client.ClientModule`; plain data types import no module above them).
         sample_rate: the Poisson rate q of ``batch``; the engine passes are planned from the
             expected batch sizes ``q|D_i|`` (public), before any batch is drawn.
     """
 
     batch: Callable[[ClientData, RandomSource], LocalBatch]
-    update: Callable[[ClientModule, ClientData, StepOutput], ClientUpdate]
+    update: Callable[[Any, ClientData, StepOutput], ClientUpdate]
     sample_rate: float

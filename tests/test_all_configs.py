@@ -13,6 +13,7 @@ from datamodules.federated import FederatedDataModule
 from fedfdp import Federation
 from fedfdp.algorithms import Algorithm
 from fedfdp.cli.parser import build_cli
+from fedfdp.interfaces import is_instance_of
 from tests.conftest import REPO
 
 #: fit configs (configs/search_spaces/ holds search spaces of `fedfdp.experiments tune`: tests/test_tune.py)
@@ -56,4 +57,4 @@ def test_config_instantiates(path, tmp_path, monkeypatch):
     assert isinstance(cli.model.algorithm, Algorithm)
     assert isinstance(cli.datamodule, FederatedDataModule)
     for required in cli.model.algorithm.required_callbacks:
-        assert any(isinstance(cb, required) for cb in cli.trainer.callbacks), required.__name__
+        assert any(is_instance_of(cb, required) for cb in cli.trainer.callbacks), required

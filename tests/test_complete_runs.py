@@ -146,3 +146,21 @@ def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed
         assert row["dataset"] in ("fmnist", "mnist") and row["seed"] in ("0", "1", "2")
         if row["table"].startswith("fedfdp-"):  # the paper tables: complete, every release accounted
             assert row["status"] in ("completed", "budget_spent") and row["dp_valid"] == "True"
+
+
+def test_the_budget_curve_is_the_running_best_of_a_studys_finished_trials(tmp_path, capsys):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{study_dir / 'study.db'}", direction="maximize")
+    for value in (0.5, 0.4, 0.9, None, 0.7):  # None: a failed trial, not counted
+        trial = study.ask()
+        study.tell(trial, value, state=optuna.trial.TrialState.FAIL if value is None else None)
+    script = runpy.run_path(str(REPO / "docs" / "complete_runs" / "budget_curve.py"))
+    assert script["running_best"](study_dir) == [0.5, 0.5, 0.9, 0.9]
+    out = tmp_path / "curve.png"
+    assert script["main"](["--out", str(out), f"demo={study_dir}"]) == 0
+    assert out.stat().st_size > 0
+    assert "demo: 4 trials, best 0.9000 (first reached at trial 3" in capsys.readouterr().out

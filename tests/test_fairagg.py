@@ -11,6 +11,7 @@ from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
 from fedfdp.algorithms import DPFedAvg, DPFedAvgFairAgg, FedFDP, FedFDPFairAgg
 from fedfdp.algorithms.fairagg import fair_aggregation_weights
 from fedfdp.errors import ConfigError
+from fedfdp.interfaces import is_instance_of
 from fedfdp.types import ClientUpdate, RoundContext
 from tests.helpers import flat, run_federation
 
@@ -126,8 +127,9 @@ def test_it_charges_exactly_fedfdps_dp_events_and_epsilon(loss_clip_rule):
 
 
 def test_it_needs_the_noisy_loss_release():
-    assert NoisyLossReporting in FedFDPFairAgg.required_callbacks
-    assert NoisyLossReporting in DPFedAvgFairAgg.required_callbacks
+    assert "callbacks.NoisyLossReporting" in FedFDPFairAgg.required_callbacks
+    assert "callbacks.NoisyLossReporting" in DPFedAvgFairAgg.required_callbacks
+    assert is_instance_of(NoisyLossReporting(), "callbacks.NoisyLossReporting")
     with pytest.raises(RuntimeError, match="reported no loss"):
         FedFDPFairAgg(**DP).aggregate(torch.zeros(1), [ClientUpdate(client_id=0, params=torch.zeros(1),
                                                                     num_examples=1)], RoundContext(round=0))

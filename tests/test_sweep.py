@@ -41,6 +41,12 @@ FAMILIES = {
     "finetune": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgFineTune",
                                         f"{ALG}finetune_fraction", "0.5", f"{ALG}lr", "1.0", f"{ALG}sample_rate",
                                         "0.2", f"{ALG}max_grad_norm", "1.0", f"{ALG}noise_multiplier", "1.0"]),
+    "prior-correction": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgPriorCorrection",
+                                                f"{ALG}prior_strength", "2.0", f"{ALG}lr", "1.0", f"{ALG}sample_rate",
+                                                "0.2", f"{ALG}max_grad_norm", "1.0", f"{ALG}noise_multiplier", "1.0"]),
+    "adaptive-clipping": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgAdaClip",
+                                                 f"{ALG}lr", "1.0", f"{ALG}sample_rate", "0.2", f"{ALG}max_grad_norm",
+                                                 "1.0", f"{ALG}noise_multiplier", "1.0"]),
 }
 
 

@@ -100,7 +100,7 @@ from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound,
                                               unclipped_fraction_estimate)
 from fedfdp.privacy.release import NormalizeBy, batch_denominator, noisy_count_release
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask, select_rows
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -262,7 +262,7 @@ class DPFedAvgAdaClip(DPFedAvg):
         """One private step's input at bound ``C = bound``: a Poisson batch (the next draw of
         ``generator``), flat counting clip (A1), noise std ``σ_Δ C`` (A2), step ``η/C`` or ``η`` (A6)."""
         mask = poisson_mask(data.size, self.sample_rate, generator)
-        x, y = data.x[mask], data.y[mask]
+        x, y = select_rows(mask, data.x, data.y)
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate, dataset_size=data.size,
                                         realized=int(y.shape[0]), constant=self.normalize_constant)
         return LocalBatch(x=x, y=y, lr=self.lr / bound if self.normalized_clipping else self.lr,

@@ -19,18 +19,19 @@ from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec
 
 if TYPE_CHECKING:
-    from callbacks.base import FederationCallback
     from fedfdp.client import ClientModule
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 
 class Algorithm:
     """Base federated algorithm (its defaults are FedAvg's server: the p_i-weighted mean).
 
     Class attributes:
-        required_callbacks: callback types the run must have. The federation refuses to start
-            without an instance of each (e.g. an algorithm that releases losses under DP needs
-            the callback that privatises and accounts them).
+        required_callbacks: the callbacks the run must have, by the class path a config names them
+            with (``"callbacks.NoisyLossReporting"``). The federation refuses to start without an
+            instance of each or of a subclass (e.g. an algorithm that releases losses under DP needs
+            the callback that privatises and accounts them); named, not imported: the algorithms
+            import no callback (:func:`fedfdp.interfaces.is_instance_of`).
         supports_distributed: whether the algorithm may run with several processes
             (:mod:`fedfdp.distributed`): true when everything it keeps between rounds is computed
             from the (all-gathered) uploads on the server side, false when ``local_update`` keeps
@@ -41,11 +42,11 @@ class Algorithm:
             update reads (:meth:`public_server_state`) with each round.
     """
 
-    required_callbacks: ClassVar[tuple[type[FederationCallback], ...]] = ()
+    required_callbacks: ClassVar[tuple[str, ...]] = ()
     supports_distributed: ClassVar[bool] = False
     deploy_refusal: ClassVar[str | None] = None
 
-    def setup(self, federation: Federation) -> None:
+    def setup(self, federation: FederationView) -> None:
         """Validate against the data and prepare state; called once when fitting starts."""
 
     # ---- server half ------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class Algorithm:
         """
         return [(list(range(num_clients)), global_params)]
 
-    def on_fit_start(self, federation: Federation) -> None:
+    def on_fit_start(self, federation: FederationView) -> None:
         """Called once training starts, after a checkpoint (if any) and the privacy ledger are restored
         and before the rounds are planned: the place for a one-off private release that the
         rounds' budget must account for (``federation.accountant.charge_release``)."""
@@ -83,14 +84,14 @@ class Algorithm:
         """The DP events of client ``client_id``'s one-off release, charged before it is computed."""
         return []
 
-    def fit_start_release(self, federation: Federation, client_id: int) -> dict[str, Tensor]:
+    def fit_start_release(self, federation: FederationView, client_id: int) -> dict[str, Tensor]:
         """Client ``client_id``'s one-off release, computed where its data is (after the charge)."""
         return {}
 
     def take_fit_start_releases(self, releases: dict[int, dict[str, Tensor]]) -> None:
         """The server keeps every client's one-off release (``{client: fit_start_release}``)."""
 
-    def release_at_fit_start(self, federation: Federation) -> None:
+    def release_at_fit_start(self, federation: FederationView) -> None:
         """Every client's one-off release in a simulation: charge, compute, keep (a Flower
         deployment asks each node for its client's instead)."""
         if not self.needs_fit_start_release():
@@ -102,7 +103,7 @@ class Algorithm:
         releases = {}
         for cid in range(federation.num_clients):
             events = self.fit_start_events(cid)
-            accountant.charge_release(federation, cid, events)
+            accountant.charge_release(cid, events, round_idx=federation.start_round)
             releases[cid] = checked_one_off_release(self, federation, cid, events)  # the mechanism's output only
         self.take_fit_start_releases(releases)
 

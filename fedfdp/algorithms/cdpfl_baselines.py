@@ -16,7 +16,7 @@ from fedfdp.algorithms.clustered import ClusteredDPFL
 from fedfdp.errors import require
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 __all__ = ["LocalDPSGD", "OracleCDPFL"]
 
@@ -28,7 +28,7 @@ class OracleCDPFL(ClusteredDPFL):
     ``num_clusters`` must equal its number of clusters.
     """
 
-    def initial_assignment(self, federation: Federation) -> np.ndarray:
+    def initial_assignment(self, federation: FederationView) -> np.ndarray:
         """The true clusters ``s(i)``."""
         truth = getattr(federation.datamodule, "client_cluster", None)
         require(truth is not None, f"OracleCDPFL needs a datamodule with client_cluster, got "
@@ -45,11 +45,11 @@ class LocalDPSGD(ClusteredDPFL):
     ``num_clusters`` is ignored (one model per client).
     """
 
-    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
+    def initial_models(self, initial: Tensor, federation: FederationView) -> Tensor:
         """One copy of ``θ^init`` per client."""
         self.num_clusters = federation.num_clients
         return initial.unsqueeze(0).repeat(self.num_clusters, 1)
 
-    def initial_assignment(self, federation: Federation) -> np.ndarray:
+    def initial_assignment(self, federation: FederationView) -> np.ndarray:
         """Client i owns model i."""
         return np.arange(federation.num_clients, dtype=np.int64)

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 
-from callbacks.accounting import RDPAccounting
 from fedfdp.aggregate import weighted_mean
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import trainable
@@ -46,13 +45,13 @@ from fedfdp.privacy.clipping import FlatClip
 from fedfdp.privacy.release import exponential_selection
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import poisson_mask
+from fedfdp.seeding import poisson_mask, select_rows
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ class ClusteredDPFL(Algorithm):
             evaluations (memory only; results depend on it only through float summation order).
     """
 
-    required_callbacks = (RDPAccounting,)
+    required_callbacks = ("callbacks.RDPAccounting",)
     #: Each evaluated model is a cluster model: an average of charged DP-SGD uploads, grouped by
     #: cluster indices that are public (the server's) or charged selections. With ``selection:
     #: loss`` the indices are not private, and ``dp_valid`` (hence the claim) is false.
@@ -123,7 +122,7 @@ class ClusteredDPFL(Algorithm):
                 f"algorithm.selection_rounds must be >= 1 or null, got {selection_rounds}")
         self.selection, self.selection_epsilon, self.selection_rounds = selection, selection_epsilon, selection_rounds
 
-    def setup(self, federation: Federation) -> None:
+    def setup(self, federation: FederationView) -> None:
         """Fix the schedule, calibrate or check z_i against the budget, initialise the models."""
         name = type(self).__name__
         require(federation.num_rounds is not None,
@@ -180,11 +179,11 @@ class ClusteredDPFL(Algorithm):
         charged; with ``selection: loss`` the index is an unnoised argmin of training losses."""
         return {"params": MODEL_RELEASE, "extras.cluster": None if self.selection == "loss" else POST_PROCESSING}
 
-    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
+    def initial_models(self, initial: Tensor, federation: FederationView) -> Tensor:
         """``M × p`` initial cluster models: all equal to ``θ^init`` by default."""
         return initial.unsqueeze(0).repeat(self.num_clusters, 1)
 
-    def initial_assignment(self, federation: Federation) -> np.ndarray:
+    def initial_assignment(self, federation: FederationView) -> np.ndarray:
         """``R^1``: every client in cluster 0 by default (the models are equal)."""
         return np.zeros(federation.num_clients, dtype=np.int64)
 
@@ -325,7 +324,7 @@ class ClusteredDPFL(Algorithm):
         x, y = data.x, data.y
         if not full_batch:
             mask = poisson_mask(data.size, q, generator)
-            x, y = x[mask], y[mask]
+            x, y = select_rows(mask, x, y)
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
                           noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
                           denominator=q * data.size, generator=generator,

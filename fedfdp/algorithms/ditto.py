@@ -35,7 +35,7 @@ from fedfdp.algorithms.grad_terms import TermClient
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import NormalizeBy
-from fedfdp.seeding import RandomSource, poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask, select_rows
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
 
 
@@ -178,6 +178,7 @@ class DPDitto(_Ditto, DPFedAvg):
         for _ in range(self.personal_steps):
             mask = poisson_mask(data.size, self.sample_rate, generator)
             if bool(mask.any()):
-                losses.append(client.training_step(LocalBatch(x=data.x[mask], y=data.y[mask], lr=self.personal_lr)).loss)
+                x, y = select_rows(mask, data.x, data.y)
+                losses.append(client.training_step(LocalBatch(x=x, y=y, lr=self.personal_lr)).loss)
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
                             diagnostics={"personal_train_loss": sum(losses) / len(losses)} if losses else {})

@@ -8,7 +8,6 @@ client's ledger by :class:`callbacks.RDPAccounting`.
 
 from __future__ import annotations
 
-from callbacks.accounting import RDPAccounting
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.errors import require
@@ -16,7 +15,7 @@ from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask
+from fedfdp.seeding import RandomSource, poisson_mask, select_rows
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 
@@ -36,7 +35,7 @@ class DPFedAvg(Algorithm):
 
     supports_distributed = True  # see Algorithm.supports_distributed
 
-    required_callbacks = (RDPAccounting,)
+    required_callbacks = ("callbacks.RDPAccounting",)
 
     def __init__(self, *, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
                  noise_multiplier: float = 2.0, local_steps: int = 1,
@@ -92,7 +91,7 @@ class DPFedAvg(Algorithm):
         is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
         """
         mask = poisson_mask(data.size, self.sample_rate, generator)
-        x, y = data.x[mask], data.y[mask]
+        x, y = select_rows(mask, data.x, data.y)
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)

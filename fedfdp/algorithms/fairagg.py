@@ -57,8 +57,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from callbacks.accounting import RDPAccounting
-from callbacks.loss_reporting import NoisyLossReporting
 from fedfdp.aggregate import aggregation_weights
 from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedfair import InitialLoss
@@ -216,7 +214,7 @@ class DPFedAvgFairAgg(FairAggregation, DPFedAvg):
             normalize_constant: as for :class:`DPFedAvg`.
     """
 
-    required_callbacks = (RDPAccounting, NoisyLossReporting)
+    required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyLossReporting")
 
     def __init__(self, *, fair_weight_rule: FairWeightRule = "exp", tilt: float | None = None,
                  q_fair: float | None = None, mix: float = 0.0, loss_floor: float = 1e-3, lr: float = 1.0,

@@ -10,7 +10,7 @@ from torch import Tensor
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.errors import require
-from fedfdp.seeding import RandomSource, poisson_mask, randperm
+from fedfdp.seeding import RandomSource, poisson_mask, randperm, select_rows
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
 
 LocalMode = Literal["epoch", "poisson_batch"]
@@ -49,7 +49,7 @@ class FedAvg(Algorithm):
         """The round's local mini-batches (seeded by ``generator``)."""
         if self.local_mode == "poisson_batch":
             mask = poisson_mask(data.size, self.sample_rate, generator)
-            yield data.x[mask], data.y[mask]
+            yield select_rows(mask, data.x, data.y)
             return
         for _ in range(self.local_epochs):
             order = randperm(data.size, generator)

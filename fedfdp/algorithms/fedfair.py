@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from callbacks.loss_reporting import LossReporting
 from fedfdp.aggregate import weighted_scalar_mean
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.errors import ConfigError, require
@@ -76,7 +75,7 @@ class FedFair(BroadcastLoss, FedAvg):
         lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
     """
 
-    required_callbacks = (LossReporting,)
+    required_callbacks = ("callbacks.LossReporting",)
 
     def __init__(self, *, fairness_weight: float = 0.1, clamp_negative: bool = False,
                  initial_broadcast_loss: InitialLoss = 0.0, lr: float = 0.1, local_epochs: int = 1,

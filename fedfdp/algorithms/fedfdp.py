@@ -14,8 +14,6 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from callbacks.accounting import RDPAccounting
-from callbacks.loss_reporting import NoisyLossReporting
 from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedfair import BroadcastLoss, InitialLoss
 from fedfdp.errors import require
@@ -39,7 +37,7 @@ class FedFDP(BroadcastLoss, DPFedAvg):
             normalize_constant: as for :class:`DPFedAvg` (paper: 1.0, 0.05, 0.1, 2.0, 1).
     """
 
-    required_callbacks = (RDPAccounting, NoisyLossReporting)
+    required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyLossReporting")
 
     def __init__(self, *, fairness_weight: float = 0.1, fair_clip_mode: FairClipMode = "symmetric",
                  initial_broadcast_loss: InitialLoss = 0.0, lr: float = 1.0, sample_rate: float = 0.05,

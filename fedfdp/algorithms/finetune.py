@@ -37,7 +37,7 @@ from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, Sta
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
     from fedfdp.privacy.clipping import ClipRule
 
 __all__ = ["DPFedAvgFineTune"]
@@ -83,10 +83,10 @@ class DPFedAvgFineTune(DPFedAvg):
         self.client_state = ClientStateStore()  # v_i
         self.switch_round: int | None = None  # t_s, fixed at the first round
         self.finetune_start: Tensor | None = None  # w̄: the released model at t_s
-        self._federation: Federation | None = None
+        self._federation: FederationView | None = None
         self._step_lr = self.lr
 
-    def setup(self, federation: Federation) -> None:
+    def setup(self, federation: FederationView) -> None:
         """Keep the federation: the switch round needs its planned rounds, the start its released model."""
         super().setup(federation)
         self._federation = federation

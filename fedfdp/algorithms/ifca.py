@@ -21,7 +21,7 @@ from fedfdp.algorithms.clustered import ClusteredDPFL, Selection
 from fedfdp.seeding import derive_seed
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 
 class IFCA(ClusteredDPFL):
@@ -39,7 +39,7 @@ class IFCA(ClusteredDPFL):
         super().__init__(**kwargs)
         self._init_selection(selection, selection_epsilon, selection_rounds)
 
-    def initial_models(self, initial: Tensor, federation: Federation) -> Tensor:
+    def initial_models(self, initial: Tensor, federation: FederationView) -> Tensor:
         """M independent re-initialisations of the client's network, seeded by (seed, m)."""
         models = []
         for m in range(self.num_clusters):

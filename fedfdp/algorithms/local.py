@@ -41,7 +41,7 @@ from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 __all__ = ["DPLocalOnly", "LocalOnly"]
 
@@ -57,7 +57,7 @@ class _LocalOnly:
     def _init_local(self) -> None:
         self.client_state = ClientStateStore()  # v_i
 
-    def setup(self, federation: Federation) -> None:
+    def setup(self, federation: FederationView) -> None:
         """Refuse what would make the server's model move or be evaluated (EMA, weight decay)."""
         super().setup(federation)  # type: ignore[misc]
         name = type(self).__name__

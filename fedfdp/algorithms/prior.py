@@ -38,7 +38,7 @@ from fedfdp.privacy.release import noisy_histogram_release
 from fedfdp.types import LABEL_HISTOGRAM_RELEASE
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 __all__ = ["DPFedAvgPriorCorrection"]
 
@@ -89,7 +89,7 @@ class DPFedAvgPriorCorrection(DPFedAvg):
         """One histogram release per client."""
         return [(LABEL_HISTOGRAM_RELEASE, self.histogram_event())]
 
-    def fit_start_release(self, federation: Federation, client_id: int) -> dict[str, Tensor]:
+    def fit_start_release(self, federation: FederationView, client_id: int) -> dict[str, Tensor]:
         """``ĥ_i = h_i + σ_h N(0, I)`` on the client's training labels (its stream ``label_histogram``)."""
         classes = int(federation.datamodule.num_classes)
         _, y = federation.datamodule.client_train(client_id)
@@ -103,7 +103,7 @@ class DPFedAvgPriorCorrection(DPFedAvg):
         self.noisy_counts = torch.stack([releases[c]["noisy_counts"] for c in sorted(releases)])
         logger.info("%s: label histograms released (sigma_h %g)", type(self).__name__, self.prior_noise_multiplier)
 
-    def on_fit_start(self, federation: Federation) -> None:
+    def on_fit_start(self, federation: FederationView) -> None:
         """Release every client's noisy label counts, charged first (unless a checkpoint restored them)."""
         self.release_at_fit_start(federation)
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from callbacks.accounting import RDPAccounting
-from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
 from fedfdp.aggregate import aggregation_weights
 from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
@@ -71,7 +69,7 @@ class QFFL(_QFair, FedAvg):
     """
 
 
-    required_callbacks = (GlobalLossReporting,)
+    required_callbacks = ("callbacks.GlobalLossReporting",)
 
     def __init__(self, *, q: float = 1.0, lipschitz: float | None = None, loss_floor: float = 1e-3,
                  lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",
@@ -92,7 +90,7 @@ class DPQFFL(_QFair, DPFedAvg):
             normalize_constant: as for :class:`DPFedAvg`.
     """
 
-    required_callbacks = (RDPAccounting, NoisyGlobalLossReporting)
+    required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyGlobalLossReporting")
 
     def __init__(self, *, q: float = 1.0, lipschitz: float | None = None, loss_floor: float = 1e-3,
                  lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,

@@ -37,7 +37,7 @@ from fedfdp.seeding import numpy_generator
 from fedfdp.types import ClientUpdate, RoundContext
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 
 class RCDPFL(ClusteredDPFL):
@@ -78,7 +78,7 @@ class RCDPFL(ClusteredDPFL):
         self.e_c: int | None = None
         self.overlap: float | None = None
 
-    def setup(self, federation: Federation) -> None:
+    def setup(self, federation: FederationView) -> None:
         """Require full participation (the GMM clusters every client's round-1 update)."""
         require(federation.clients_per_round is None or federation.clients_per_round >= federation.num_clients,
                 f"model.clients_per_round must be null for RCDPFL (all clients in round 1), "

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from fedfdp.cli.errors import one_line
 from fedfdp.errors import ConfigError
+from fedfdp.rundir import CHECKPOINTS_DIR, LAST_CHECKPOINT
 
 __all__ = ["LAST", "check_checkpoint", "checkpoint_problem", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-LAST = Path("checkpoints") / "last.ckpt"
-"""Where a run keeps its latest checkpoint, relative to the run directory."""
+LAST = Path(LAST_CHECKPOINT)
+"""Where a run keeps its latest checkpoint, relative to the run directory (:data:`fedfdp.rundir.LAST_CHECKPOINT`)."""
 _KEYS = ("state_dict", "global_step", "fedfdp")
 
 
@@ -72,7 +73,7 @@ def check_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
         return resolved
     problem = checkpoint_problem(Path(resolved))
     if problem is not None:
-        hint = (f"resume from another checkpoint of {run_dir / 'checkpoints'} (--ckpt_path <file>) or start a new "
+        hint = (f"resume from another checkpoint of {run_dir / CHECKPOINTS_DIR} (--ckpt_path <file>) or start a new "
                 f"--run_dir" if ckpt_path == "last" else "give a fedfdp .ckpt file, or 'last' with the --run_dir "
                                                           "of the run to resume")
         raise ConfigError(f"ckpt_path: checkpoint {resolved} {problem}; nothing was changed ({hint})")

@@ -32,7 +32,6 @@ from lightning.pytorch.loggers import Logger
 
 import callbacks
 import fedfdp.algorithms as algorithms
-from callbacks.base import find_accountant
 from callbacks.interrupt import GracefulInterrupt
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
@@ -47,12 +46,13 @@ from fedfdp.cli.values import check_numbers
 from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_OPTIONS, check_trainer_options
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
-from fedfdp.rundir import CONFIG_NAME, RunLock, check_resume, run_files, with_saved_config
+from fedfdp.privacy.accountant import find_accountant
+from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunLock, RunPaths, check_resume, run_files,
+                           with_saved_config)
 
 __all__ = ["LEDGER_NAME", "ConfigToLoggers", "FedFDPCLI", "build_cli"]
 
 _RUN_DIR_ENV = "FEDFDP_RUN_DIR"
-LEDGER_NAME = "privacy_ledger.jsonl"
 #: LightningCLI keys that fedfdp does not use (accepted as null only, for older config.yaml files).
 _UNUSED_LIGHTNING_KEYS = ("optimizer", "lr_scheduler")
 
@@ -251,13 +251,13 @@ class FedFDPCLI(LightningCLI):
             kwargs["logger"] = self._loggers(run_dir)
         callbacks = list(trainer_cfg.get("callbacks") or [])
         accountant = find_accountant(callbacks)  # the durable privacy ledger lives in the run directory
-        if accountant is not None and getattr(accountant, "ledger_path", None) is None:
+        if accountant is not None and accountant.ledger_path is None:
             accountant.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             every = self.config_init.get("checkpoint_every") or int(self.config_init["model"].eval_every)
             # no version counter: a resume overwrites checkpoints/last.ckpt (what --ckpt_path last reads), never
             # writes last-v1.ckpt beside an older last.ckpt
-            callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="round-{step}", auto_insert_metric_name=False,
+            callbacks.append(ModelCheckpoint(dirpath=RunPaths(run_dir).checkpoints, filename=CHECKPOINT_FILENAME, auto_insert_metric_name=False,
                                              every_n_train_steps=every, save_last=True, save_top_k=1,
                                              enable_version_counter=False))
         for default in (RunSummary, ClientTableLogger):
@@ -309,7 +309,7 @@ def _make_cli(cli_class: type[FedFDPCLI], model_class: type[Federation], args: l
     return cli_class(
         model_class, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
         seed_everything_default=0, save_config_callback=ConfigToLoggers,
-        save_config_kwargs={"overwrite": True, "config_filename": "config.yaml"},
+        save_config_kwargs={"overwrite": True, "config_filename": CONFIG_NAME},
         trainer_defaults={"max_epochs": -1, "log_every_n_steps": 1, "num_sanity_val_steps": 0,
                           "limit_val_batches": 0, "enable_model_summary": False},
         parser_kwargs={"exit_on_error": False, "default_env": False, "allow_abbrev": False, "prog": "python -m fedfdp.fit",

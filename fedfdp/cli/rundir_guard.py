@@ -14,7 +14,7 @@ from pathlib import Path
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from fedfdp.rundir import RunLock
+from fedfdp.rundir import CHECKPOINTS_DIR, SUMMARY_NAME, RunLock, RunPaths
 
 logger = logging.getLogger("fedfdp")
 
@@ -61,13 +61,14 @@ class RunDirGuard(Callback):
 
 def kept_files(run_dir: Path) -> str:
     """One line on what a stopped run left in ``run_dir``: its checkpoints and ``summary.json``, if any."""
-    folder = run_dir / "checkpoints"
+    paths = RunPaths(run_dir)
+    folder = paths.checkpoints
     checkpoints = sorted(p.name for p in folder.glob("*.ckpt")) if folder.is_dir() else []
-    ckpt = f"checkpoints/{', '.join(checkpoints)}" if checkpoints else "no checkpoint"
+    ckpt = f"{CHECKPOINTS_DIR}/{', '.join(checkpoints)}" if checkpoints else "no checkpoint"
     try:
-        rounds = json.loads((run_dir / "summary.json").read_text()).get("rounds_run")
-        summary = f"summary.json (after round {rounds})"
+        rounds = json.loads(paths.summary.read_text()).get("rounds_run")
+        summary = f"{SUMMARY_NAME} (after round {rounds})"
     except (OSError, ValueError):
-        summary = "no summary.json"
+        summary = f"no {SUMMARY_NAME}"
     hint = " (no round was saved before it stopped)" if not checkpoints and summary.startswith("no") else ""
     return f"run_dir {run_dir} keeps {ckpt} and {summary}{hint}"

@@ -96,9 +96,9 @@ def make_config(base: Path, *, seed: int, epsilon: float, rounds: int | None) ->
     accounting["target_epsilon"] = epsilon
     algorithm = config["model"]["algorithm"]
     if algorithm["class_path"].endswith("DPFedAvg"):
-        from callbacks.accounting import RDPAccounting  # the run's accountant: its δ and RDP orders
+        from fedfdp.privacy.run_accountant import RunAccountant  # the run's accountant: its δ and RDP orders
 
-        accountant = RDPAccounting(**accounting)
+        accountant = RunAccountant(**accounting)
         algorithm["init_args"]["noise_multiplier"] = one_stage_noise_multiplier(
             algorithm, rounds=int(config["model"]["num_rounds"]), epsilon=epsilon, delta=accountant.delta,
             orders=accountant.orders)

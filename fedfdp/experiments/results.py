@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedfdp.participation import MISSING_CLIENTS_STATUSES, has_missing_clients
+from fedfdp.rundir import RunPaths
 
 __all__ = ["FINISHED_STATUSES", "ended_with_missing_clients", "finished_summary", "format_mean_std", "group_rows",
            "is_finished", "mean_std", "read_metrics", "read_summary", "recorded_wall_seconds"]
@@ -32,7 +33,7 @@ FINISHED_STATUSES = ("completed", "budget_spent")
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
     """The run's ``summary.json``; None when it is missing or unreadable (a run that never got that far)."""
     try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        summary = json.loads(RunPaths(run_dir).summary.read_text())
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) else None
@@ -71,7 +72,7 @@ def finished_summary(run_dir: Path) -> dict[str, Any] | None:
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
     """The rows of the run's ``metrics.csv`` as dictionaries of strings (empty when there is none)."""
-    path = Path(run_dir) / "metrics.csv"
+    path = RunPaths(run_dir).metrics
     if not path.is_file():
         return []
     with open(path, newline="") as fh:
@@ -81,7 +82,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 def recorded_wall_seconds(run_dir: Path) -> float | None:
     """The wall time of the run's last launch, as the runner wrote it to ``harness.json`` (None: none)."""
     try:
-        return float(json.loads((Path(run_dir) / "harness.json").read_text())["wall_seconds"])
+        return float(json.loads(RunPaths(run_dir).harness.read_text())["wall_seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

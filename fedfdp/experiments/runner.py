@@ -47,7 +47,7 @@ from fedfdp.errors import ConfigError
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
-from fedfdp.rundir import RunLock, run_files
+from fedfdp.rundir import LOG_NAME, RunLock, RunPaths, run_files
 
 __all__ = ["DEFAULT_ENV", "RunResult", "RunSpec", "Runner", "last_error_line"]
 
@@ -98,7 +98,7 @@ class RunResult:
     @property
     def log(self) -> Path:
         """The run's ``fit.log``, or where the output of a fit that refused to start was kept."""
-        return self.log_file or self.spec.run_dir / "fit.log"
+        return self.log_file or RunPaths(self.spec.run_dir).log
 
 
 def last_error_line(log: Path) -> str:
@@ -113,7 +113,7 @@ def last_error_line(log: Path) -> str:
 
 def resumable(run_dir: Path) -> bool:
     """Whether the run in ``run_dir`` has a checkpoint to resume from (``checkpoints/last.ckpt``)."""
-    return (run_dir / "checkpoints" / "last.ckpt").exists()
+    return RunPaths(run_dir).last_checkpoint.exists()
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Runner:
         cmd = self.command(spec, config)
         logger.info("%s", " ".join(cmd))
         before = snapshot(spec.run_dir)
-        output = StagedOutput(tmp / "fit.log", spec.run_dir / "fit.log", lambda: snapshot(spec.run_dir) != before)
+        output = StagedOutput(tmp / LOG_NAME, RunPaths(spec.run_dir).log, lambda: snapshot(spec.run_dir) != before)
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, stdout=output.stdout, stderr=subprocess.STDOUT, env=self._environment())
@@ -182,11 +182,11 @@ class Runner:
         if config != spec.config:  # the staged config takes its place now that the fit has started
             spec.config.write_text(config.read_text())
         recorded = [str(spec.config) if c == str(config) else c for c in cmd]
-        (spec.run_dir / "harness.json").write_text(json.dumps({"command": recorded, "returncode": proc.returncode,
+        RunPaths(spec.run_dir).harness.write_text(json.dumps({"command": recorded, "returncode": proc.returncode,
                                                                "wall_seconds": wall}, indent=1))
         if status == "failed":
             logger.error("FAILED %s (exit %d, %.0f s): see %s", spec.run_dir, proc.returncode, wall,
-                         spec.run_dir / "fit.log")
+                         RunPaths(spec.run_dir).log)
         else:
             logger.info("done %s in %.0f s", spec.run_dir, wall)
         return RunResult(spec, status, proc.returncode, wall, read_summary(spec.run_dir))
@@ -217,7 +217,7 @@ class Runner:
                 folder.mkdir()
                 config = self._config(spec, folder)
                 cmd = self.command(spec, config)
-                run = SweepRun(name=str(spec.run_dir), args=cmd[cmd.index("--config"):], log=folder / "fit.log")
+                run = SweepRun(name=str(spec.run_dir), args=cmd[cmd.index("--config"):], log=folder / LOG_NAME)
                 staged.append((spec, run, config, stale, snapshot(spec.run_dir)))
             if staged:
                 run_sweep([run for _, run, _, _, _ in staged])
@@ -233,15 +233,15 @@ class Runner:
         if not started:
             if stale is not None:
                 _move_back(stale, spec.run_dir)
-            kept = Path(tempfile.mkdtemp(prefix="fedfdp-refused-")) / f"{spec.run_dir.name}.fit.log"
+            kept = Path(tempfile.mkdtemp(prefix="fedfdp-refused-")) / f"{spec.run_dir.name}.{LOG_NAME}"
             kept.write_text(text)
             return RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir), log_file=kept)
         if config != spec.config:
             spec.config.write_text(config.read_text())
-        with open(spec.run_dir / "fit.log", "a") as log:
+        with open(RunPaths(spec.run_dir).log, "a") as log:
             log.write(text)
         args = [str(spec.config) if a == str(config) else a for a in run.args]
-        (spec.run_dir / "harness.json").write_text(json.dumps({"command": ["sweep", *args], "returncode": code,
+        RunPaths(spec.run_dir).harness.write_text(json.dumps({"command": ["sweep", *args], "returncode": code,
                                                                "wall_seconds": run.seconds}, indent=1))
         return RunResult(spec, status, code, run.seconds, read_summary(spec.run_dir))
 

@@ -38,6 +38,7 @@ import yaml
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import is_finished, read_summary
+from fedfdp.rundir import RunPaths
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def plan_sweep(config: str, seeds: list[int], points: list[dict[str, Any]], out:
             for key, value in point.items():
                 args += [f"--{key}", _value(value)]
             args += ["--wandb", "disabled", "--trainer.enable_progress_bar", "false", *fit_args]
-            if resume and (run_dir / "checkpoints" / "last.ckpt").exists():
+            if resume and RunPaths(run_dir).last_checkpoint.exists():
                 args += ["--ckpt_path", "last"]
             runs.append(SweepRun(name=name, args=args))
     return runs, finished

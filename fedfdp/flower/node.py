@@ -42,7 +42,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.nn.utils import vector_to_parameters
 
-from callbacks.base import FederationCallback, find_accountant
+from callbacks.base import FederationCallback
 from datamodules.checks import is_int
 from fedfdp.cli.parser import FedFDPCLI, build_cli
 from fedfdp.client import trainable
@@ -52,6 +52,7 @@ from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
 from fedfdp.flower.node_state import NodeStateFile
 from fedfdp.flower.protocol import ClientStateKey, NodeDescription
 from fedfdp.metrics import evaluate_clientwise
+from fedfdp.privacy.accountant import find_accountant
 from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers

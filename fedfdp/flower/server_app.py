@@ -52,6 +52,8 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
+from fedfdp.rundir import DEPLOYMENT_RECORD_NAME
+
 logger = logging.getLogger("fedfdp.flower.server_app")
 
 __all__ = ["ServerSettings", "app", "run_server"]
@@ -60,7 +62,7 @@ app = ServerApp()
 
 #: Written in the run directory at the end: per client its node, settings, ε (its own and the server's
 #: view), refused rounds and whether it dropped out.
-DEPLOYMENT_RECORD = "flower_clients.json"
+DEPLOYMENT_RECORD = DEPLOYMENT_RECORD_NAME
 
 _KEYS = ("config", "overrides", "run-dir", "round-timeout", "straggler-timeout", "node-wait", "ckpt-path")
 

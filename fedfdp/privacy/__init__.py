@@ -1,8 +1,16 @@
-"""Privacy maths: per-sample gradients, clip rules, Gaussian releases, RDP accounting, λ*, SIA metrics."""
+"""Privacy maths: per-sample gradients, clip rules, Gaussian releases, RDP accounting, λ*, SIA metrics.
 
+The run's accountant: :class:`PrivacyAccountant` (the interface, :mod:`fedfdp.privacy.accountant`),
+implemented by :class:`fedfdp.privacy.run_accountant.RunAccountant` over the ledger
+(:mod:`fedfdp.privacy.ledger`, :mod:`fedfdp.privacy.ledger_file`) and the round planning
+(:mod:`fedfdp.privacy.planning`).
+"""
+
+from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import (OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of,
                                        max_rounds)
 from fedfdp.privacy.clipping import FairClip, FlatClip, fair_clip_factors, fairness_coefficients, flat_clip_factors
 
-__all__ = ["DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyLedger", "epsilon_of",
-           "fair_clip_factors", "fairness_coefficients", "flat_clip_factors", "max_rounds"]
+__all__ = ["DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyAccountant", "PrivacyLedger",
+           "epsilon_of", "fair_clip_factors", "fairness_coefficients", "find_accountant", "flat_clip_factors",
+           "max_rounds"]

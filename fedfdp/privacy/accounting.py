@@ -91,13 +91,25 @@ def _is_real(x: object) -> bool:
 
 
 def _check_orders(orders: Sequence[float]) -> tuple[float, ...]:
+    try:  # rdp_of runs for every client of every round: check each tuple of orders once
+        checked = _CHECKED_ORDERS.get(orders) if isinstance(orders, tuple) else None  # type: ignore[call-overload]
+    except TypeError:  # an unhashable element: checked (and refused) below
+        checked = None
+    if checked is not None:
+        return checked
     try:
         out = tuple(float(a) for a in orders)
     except (TypeError, ValueError):
         out = ()
     if not out or not all(math.isfinite(a) and a > 1 for a in out):
         raise ConfigError(f"orders must be a non-empty list of finite numbers > 1, got {orders!r}")
+    if isinstance(orders, tuple) and len(_CHECKED_ORDERS) < 64:
+        _CHECKED_ORDERS[orders] = out
     return out
+
+
+#: tuples of orders already checked -> their checked form (floats)
+_CHECKED_ORDERS: dict[tuple[object, ...], tuple[float, ...]] = {}
 
 
 def _check_delta(delta: float) -> None:

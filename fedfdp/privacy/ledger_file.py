@@ -6,10 +6,11 @@ forget the releases made since the last one, and a resumed (or restarted) run wo
 them again uncounted. This file is the accountant's source of truth instead:
 
 * every DP event is appended (``write`` + ``flush``) when the client's upload is final
-  (:meth:`callbacks.RDPAccounting.on_client_release`) and made durable (``os.fsync``, once for
-  the round's uploads) *before* any upload leaves the process to be exchanged or aggregated
-  (:meth:`callbacks.RDPAccounting.on_uploads_final`), so what the server can have seen is always
-  on disk; a one-off release is fsynced at once;
+  (:meth:`fedfdp.privacy.run_accountant.RunAccountant.charge_upload`, from the federation's
+  ``on_client_release``) and made durable (``os.fsync``, once for the round's uploads) *before*
+  any upload leaves the process to be exchanged or aggregated
+  (:meth:`~fedfdp.privacy.run_accountant.RunAccountant.sync`, from ``on_uploads_final``), so what
+  the server can have seen is always on disk; a one-off release is fsynced at once;
 * a run (fresh, resumed from any checkpoint, or restarted without one) rebuilds its ledgers
   from the file, so rounds that are replayed after a crash are charged again, never forgotten.
 

@@ -30,7 +30,7 @@ from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import ClientUpdate
 
 if TYPE_CHECKING:
-    from fedfdp.federation import Federation
+    from fedfdp.interfaces import FederationView
 
 __all__ = ["POST_PROCESSING", "declared_upload_privacy", "unprotected_declarations", "unprotected_fields",
            "upload_fields"]
@@ -57,7 +57,7 @@ def upload_fields(update: ClientUpdate) -> list[str]:
     return fields
 
 
-def declared_upload_privacy(federation: Federation) -> dict[str, str | None]:
+def declared_upload_privacy(federation: FederationView) -> dict[str, str | None]:
     """Every field's declared privacy: the algorithm's, then the callbacks' (a callback that fills a
     field, e.g. a loss reporter, declares it). A field declared twice keeps the weaker claim."""
     declared: dict[str, str | None] = dict(federation.algorithm.upload_privacy())

@@ -1,0 +1,329 @@
+"""The run's privacy accountant: per-client RDP (or PRV) accounting of every release, with a budget.
+
+Privacy unit: one record of one client's data (sample-level DP per client, spec §3.1). Each
+client has ledgers (:class:`fedfdp.privacy.ledger.RunLedger`, over Opacus' ``RDPAccountant``);
+every upload's ``dp_events`` (a Poisson-sampled Gaussian event per gradient step, one per loss
+release) are charged when the client's upload is final, before it leaves the client. The
+reported ε is the maximum over clients.
+
+With a ``ledger_path`` (the command line sets ``<run_dir>/privacy_ledger.jsonl``) every charge
+is first appended to that file (:mod:`fedfdp.privacy.ledger_file`) and fsynced, with the round's
+other charges, before any upload leaves the process (:meth:`RunAccountant.sync`), and the
+ledgers, ε, the budget guard and the planned rounds always come from the file: a run resumed from
+any checkpoint, or restarted after a crash before its first checkpoint, keeps every release it
+made, and the rounds it replays are charged again.
+
+At start the accountant refuses any configured release whose guarantee would not hold: σ = 0 or
+an unbounded clip (:func:`fedfdp.privacy.validation.check_releases`), or a model with layers
+that mix the samples of a batch (BatchNorm).
+
+:class:`RunAccountant` implements :class:`fedfdp.privacy.accountant.PrivacyAccountant` and knows
+neither Lightning nor the federation: ``callbacks.RDPAccounting`` calls it from the federation's
+hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
+from fedfdp.plan import MAX_ROUNDS
+from fedfdp.privacy.accountant import PlannedEvents
+from fedfdp.privacy.accounting import ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent
+from fedfdp.privacy.ledger import AccountingMode, RunLedger
+from fedfdp.privacy.planning import affordable_rounds
+from fedfdp.privacy.uploads import unprotected_declarations, unprotected_fields
+from fedfdp.privacy.validation import DPRelease, check_releases, sample_mixing_layers
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fedfdp.privacy.accounting import PrivacyLedger
+    from fedfdp.types import ClientUpdate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AccountingMode", "RunAccountant"]
+
+
+class RunAccountant:
+    """Charges every DP event to its client's ledger; reports ε; plans and guards the budget.
+
+    Args:
+        target_epsilon: the budget ε; the run stops after the last round whose events keep every
+            client's ε ≤ target (None: account and log only).
+        delta: δ of the (ε, δ) guarantee (paper: 1e-5).
+        orders: RDP orders: ``paper`` = {2..63, 128, 256, 512} (authors' code, spec A-21) or
+            ``opacus`` (Opacus' defaults).
+        accounting_mode: which releases count against the budget: ``theorem2`` (model steps and
+            loss releases, FedFDP Theorem 2; default) or ``model_only`` (the authors' code, for
+            reproduction: the true ε, logged as ``epsilon``, then exceeds the target).
+        rounds_rule: ``strict`` (largest T with ε ≤ target) or ``paper_code`` (the authors'
+            bisection, which can overshoot the target by up to 0.01; 778 rounds at ε = 3.52).
+        accountant: ``rdp`` (Opacus' RDPAccountant; the paper's, default) or ``prv`` (Opacus'
+            PRVAccountant, Gopi et al. 2021: tighter, e.g. ε 3.23 instead of 3.52 for FedFDP's
+            683 paper rounds). ε, the planned rounds and the budget guard all use it; with
+            ``prv`` the RDP ε is logged beside it as ``epsilon_rdp``.
+        ledger_path: the durable privacy ledger (JSON lines, fsynced before the round's releases leave
+            its client); the command line sets ``<run_dir>/privacy_ledger.jsonl``. None keeps the
+            ledgers in memory and in checkpoints only (library use, tests).
+        allow_non_private: run releases whose guarantee does not hold (σ = 0, an unbounded clip
+            rule such as ``fair_clip_mode: paper_raw``, BatchNorm) for analysis only: ε is then
+            reported as infinite. Off by default: such a run is refused at start.
+    """
+
+    is_privacy_accountant: ClassVar[bool] = True
+
+    def __init__(self, *, target_epsilon: float | None = None, delta: float = 1e-5,
+                 orders: Literal["paper", "opacus"] = "paper", accounting_mode: AccountingMode = "theorem2",
+                 rounds_rule: Literal["strict", "paper_code"] = "strict", accountant: Accountant = "rdp",
+                 ledger_path: str | None = None, allow_non_private: bool = False) -> None:
+        require(target_epsilon is None or target_epsilon > 0,
+                f"RDPAccounting.target_epsilon must be > 0 or null, got {target_epsilon}")
+        require(0 < delta < 1, f"RDPAccounting.delta must be in (0, 1), got {delta}")
+        require(orders in ("paper", "opacus"), f"RDPAccounting.orders must be 'paper' or 'opacus', got {orders!r}")
+        require(accounting_mode in ("theorem2", "model_only"),
+                f"RDPAccounting.accounting_mode must be 'theorem2' or 'model_only', got {accounting_mode!r}")
+        require(rounds_rule in ("strict", "paper_code"),
+                f"RDPAccounting.rounds_rule must be 'strict' or 'paper_code', got {rounds_rule!r}")
+        require(accountant in ACCOUNTANTS, f"RDPAccounting.accountant must be one of {list(ACCOUNTANTS)}, "
+                                           f"got {accountant!r}")
+        require(accountant == "rdp" or rounds_rule == "strict",
+                "RDPAccounting.rounds_rule paper_code is the authors' RDP bisection: use rounds_rule strict "
+                "with accountant prv")
+        self.target_epsilon = target_epsilon
+        self.delta = delta
+        self.orders: tuple[float, ...] = PAPER_ORDERS if orders == "paper" else OPACUS_DEFAULT_ORDERS
+        self.accounting_mode: AccountingMode = accounting_mode
+        self.rounds_rule = rounds_rule
+        self.accountant: Accountant = accountant
+        self.allow_non_private = allow_non_private
+        self.unbounded = False  # a release without a guarantee is configured (allow_non_private): ε is infinite
+        self.guarantee_checked = False  # set once every release and upload field was checked at start
+        self.declared_uploads: dict[str, str | None] | None = None  # upload field -> how it is private
+        self._charged: set[int] = set()  # clients of the current round charged by charge_upload
+        self.ledger = RunLedger(orders=self.orders, delta=delta, mode=accounting_mode, accountant_kind=accountant,
+                                path=ledger_path)
+
+    # ---- settings and reading -------------------------------------------------------------------
+    @property
+    def ledger_path(self) -> str | None:
+        """The durable ledger file (None: in memory and checkpoints only)."""
+        return self.ledger.path
+
+    @ledger_path.setter
+    def ledger_path(self, path: str | None) -> None:
+        self.ledger.path = path
+
+    @property
+    def ledgers(self) -> dict[int, PrivacyLedger]:
+        """Every client's ledger of all its releases."""
+        return self.ledger.ledgers
+
+    @property
+    def budget_ledgers(self) -> dict[int, PrivacyLedger]:
+        """Every client's ledger of the releases the budget counts."""
+        return self.ledger.budget_ledgers
+
+    def epsilon(self) -> float:
+        """ε spent so far (all releases), maximum over clients (inf for a run without a guarantee)."""
+        return math.inf if self.unbounded else self.ledger.epsilon()
+
+    def budgeted_epsilon(self) -> float:
+        """ε spent so far by the releases that ``accounting_mode`` counts, maximum over clients."""
+        return self.ledger.budgeted_epsilon()
+
+    def client_epsilon(self, client_id: int) -> float:
+        """ε spent so far by one client (all releases; 0 for a client that never trained)."""
+        return math.inf if self.unbounded else self.ledger.client_epsilon(client_id)
+
+    def epsilon_rdp(self) -> float:
+        """ε spent so far (all releases) by the RDP accountant, maximum over clients (for comparison)."""
+        return math.inf if self.unbounded else self.ledger.epsilon_rdp()
+
+    def round_metrics(self) -> dict[str, float]:
+        """What a round logs: ``epsilon``, and ``epsilon_budgeted`` / ``epsilon_rdp`` where they differ."""
+        metrics = {"epsilon": self.epsilon()}
+        if self.accounting_mode != "theorem2":
+            metrics["epsilon_budgeted"] = self.budgeted_epsilon()
+        if self.accountant != "rdp":
+            metrics["epsilon_rdp"] = self.epsilon_rdp()
+        return metrics
+
+    @property
+    def guarantee_holds(self) -> bool:
+        """Whether the run's (ε, δ) claim holds: every release and upload field was checked at start,
+        and none ran without a guarantee (``allow_non_private``)."""
+        return self.guarantee_checked and not self.unbounded
+
+    def mark_non_private(self) -> None:
+        """A release without a guarantee ran (allowed by ``allow_non_private``): ε is infinite from now on."""
+        self.unbounded = True
+
+    # ---- start ------------------------------------------------------------------------------
+    def check_delta(self, train_sizes: Iterable[int]) -> None:
+        """Refuse δ ≥ 1/n, n the smallest client's training set: releasing one random record of it
+        outright is already (0, 1/n)-DP, so such a δ guarantees nothing (Dwork & Roth 2014, §2.3)."""
+        sizes = [int(n) for n in train_sizes if int(n) > 0]
+        if not sizes:
+            return
+        n = min(sizes)
+        if not self.delta < 1.0 / n:
+            raise ConfigError(f"RDPAccounting.delta={self.delta:g} guarantees nothing: it must be in (0, 1/n) with n = "
+                              f"{n}, the smallest client's training set (1/n = {1.0 / n:.3g}); the papers use 1e-5")
+
+    def check_guarantee(self, releases: Sequence[DPRelease], declared: dict[str, str | None], net: nn.Module,
+                        algorithm: str) -> None:
+        """Every configured release (``releases``: the algorithm's and the callbacks') is noised and
+        bounded, no layer of ``net`` mixes samples, and every field of the uploads is declared
+        private (``declared``, :mod:`fedfdp.privacy.uploads`): else refuse, or with
+        ``allow_non_private`` report ε as infinite."""
+        self.declared_uploads = declared
+        try:
+            problems = unprotected_declarations(declared, releases)
+            if problems:
+                raise ConfigError(
+                    f"model.algorithm {algorithm}: {problems[0]}, but trainer.callbacks "
+                    f"has callbacks.RDPAccounting, which would report an epsilon for the run; use a DP algorithm "
+                    f"(DPFedAvg, FedFDP, DPFedProx, ...) with its DP callbacks, or remove the DP callbacks, or set "
+                    f"RDPAccounting.allow_non_private: true to run it for analysis (epsilon inf, dp_valid false)")
+            check_releases(releases)
+            mixing = sample_mixing_layers(net)
+            if mixing:
+                raise ConfigError(
+                    f"model.client.init_args.net has layers that mix the samples of a batch ({', '.join(mixing)}: "
+                    f"BatchNorm), so one record moves the others' gradients and losses and no release is "
+                    f"differentially private; use GroupNorm/LayerNorm, or set "
+                    f"model.client.init_args.replace_batchnorm: true to replace them with GroupNorm")
+        except ConfigError as err:
+            if not self.allow_non_private:
+                raise
+            logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", err)
+            self.unbounded = True
+        self.guarantee_checked = True
+
+    def open_ledger(self, rank: int = 0) -> None:
+        """Open the ledger file (this process's ``rank``) and rebuild every ledger from it (no-op without one)."""
+        self.ledger.open(rank)
+
+    # ---- planning ---------------------------------------------------------------------------
+    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int) -> int | None:
+        """The round count (from round 0) at which the budget is spent, given what is already charged.
+
+        ``start_round`` rounds are done (the checkpoint's round, 0 for a fresh start); the ledgers
+        already hold every release made so far, replayed rounds included. The rounds still
+        affordable are those that keep every client's ε ≤ target if it takes part in each
+        (:func:`fedfdp.privacy.planning.affordable_rounds`); ``planned(client)`` is one round's events.
+        """
+        if self.target_epsilon is None:
+            return None
+        clients = ((self.ledger.counted(planned(cid)), self.ledger.spent_budget_events(cid))
+                   for cid in range(num_clients))
+        remaining = affordable_rounds(clients, target_epsilon=self.target_epsilon, delta=self.delta,
+                                      orders=self.orders, rule=self.rounds_rule, accountant=self.accountant,
+                                      spent_epsilon=self.budgeted_epsilon(), cap=MAX_ROUNDS)
+        return start_round + remaining
+
+    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents) -> None:
+        """Start round ``round_idx`` (0-based): refuse it if it would take any client past the budget
+        (strict rule only).
+
+        Raises:
+            PrivacyBudgetError: a client's projected ε after the round exceeds ``target_epsilon``.
+        """
+        self._charged.clear()
+        if self.target_epsilon is None or self.rounds_rule != "strict":
+            return
+        for cid in client_ids:
+            projected = self.ledger.budget_ledger(cid).projected_epsilon(self.ledger.counted(planned(cid)), self.delta)
+            if projected > self.target_epsilon:
+                raise PrivacyBudgetError(
+                    f"round {round_idx} would spend epsilon={projected:.4f} for client {cid}, over "
+                    f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
+
+    # ---- charging ---------------------------------------------------------------------------
+    def charge_upload(self, round_idx: int, update: ClientUpdate) -> None:
+        """Check that every field of the upload is private, then write its events to the ledger file
+        (fsynced with the round's others before any upload leaves, :meth:`sync`) and charge them.
+
+        Raises:
+            PrivacyError: a field of the upload is not covered by a declared and charged release (it
+                does not leave: the run stops), unless ``allow_non_private`` (then ε is infinite).
+            PrivacyBudgetError: the upload takes its client past the budget (more than the round's
+                planned events; strict rule).
+        """
+        problems = unprotected_fields(update, self.declared_uploads or {})
+        if problems:
+            if not self.allow_non_private:
+                raise PrivacyError(f"round {round_idx + 1}: client {update.client_id}'s upload carries "
+                                   f"{problems[0]}, which no declared and charged DP release covers; it was not "
+                                   f"released (declare it in the algorithm's upload_privacy, or set "
+                                   f"RDPAccounting.allow_non_private: true for analysis)")
+            self.unbounded = True
+        self.ledger.charge(round_idx, update.client_id, update.dp_events, sync=False)
+        self._charged.add(update.client_id)
+        spent = self.ledger.client_budgeted_epsilon(update.client_id)
+        if self.target_epsilon is not None and self.rounds_rule == "strict" and spent > self.target_epsilon:
+            # the round's guard projected the planned events; an upload that charges more (a planning
+            # bug) must not take the run past its budget: charged, but not released
+            raise PrivacyBudgetError(
+                f"round {round_idx + 1}: client {update.client_id}'s upload charges epsilon "
+                f"{spent:.4f}, over RDPAccounting.target_epsilon={self.target_epsilon} (more than the round's "
+                f"planned DP events); it was not released")
+
+    def charge_received(self, updates: Sequence[ClientUpdate]) -> None:
+        """Charge the uploads that other processes released (they wrote their own ledger files)."""
+        others = [u for u in updates if u.client_id not in self._charged]
+        for update in others:
+            self.ledger.record(update.client_id, update.dp_events)
+        self.ledger.refresh({u.client_id for u in others})
+        self._charged.clear()
+
+    def charge_release(self, client_id: int, events: Sequence[tuple[str, DPEvent]], *, round_idx: int) -> None:
+        """Charge a release a client makes outside its uploads (once, e.g. a noisy label histogram
+        before training), before it is used: written to the ledger file (fsynced), then charged.
+
+        Called before the rounds are planned (``Algorithm.on_fit_start``), it is part of what the
+        budget planning finds already spent, so the run trains as many rounds as still fit.
+        ``round_idx``: the round it is recorded under (the run's start round).
+
+        Raises:
+            PrivacyBudgetError: the release alone takes the client past ``target_epsilon``.
+        """
+        self.ledger.charge(round_idx, client_id, events)
+        spent = self.ledger.client_budgeted_epsilon(client_id)
+        if self.target_epsilon is not None and spent > self.target_epsilon:
+            raise PrivacyBudgetError(f"client {client_id}'s one-off release spends epsilon {spent:.4f}, over "
+                                     f"RDPAccounting.target_epsilon={self.target_epsilon}")
+
+    # ---- persistence ------------------------------------------------------------------------
+    def sync(self) -> None:
+        """fsync the ledger entries written so far (before any upload of the round leaves the process)."""
+        self.ledger.sync()
+
+    def close(self) -> None:
+        """Close the ledger file."""
+        self.ledger.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every ledger's history (a copy: with a ledger file, the file is the source of truth)."""
+        return {"unbounded": self.unbounded, **self.ledger.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the ledgers from a checkpoint, unless the ledger file already holds them.
+
+        The file holds every release, including those after the checkpoint, so it wins. A checkpoint
+        written before ledger files existed (an empty file) is migrated into it
+        (:meth:`migrate_checkpoint`).
+        """
+        self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
+        self.ledger.load_state_dict(state_dict)
+
+    def migrate_checkpoint(self) -> None:
+        """Write checkpoint-only ledgers to the ledger file, if a checkpoint left any. Called once no
+        check can refuse the start (they are restored before a resume's last checks, and a refused
+        resume must change no file)."""
+        self.ledger.migrate()
