@@ -3,7 +3,7 @@ errors, and the commands both show, which must be commands fedfdp's own parsers 
 
 * ``mkdocs build --strict`` (mkdocs.yml: the README as the home page, the docs/ pages, API pages from
   the docstrings) builds with no warning: broken links and anchors between pages and docstrings
-  that Griffe cannot parse fail here, so in every test run and in CI;
+  that Griffe cannot parse fail here, in the full test run and so in CI (``slow``: not in the fast lane);
 * every ``python -m fedfdp...`` command in a ``bash`` block of the README or of a docs/ page is
   parsed, as the shell would expand it (loops, variables, continuations), by the parser of the
   command it names: ``fedfdp.fit``'s LightningCLI (up to the point where it would build the run),
@@ -212,8 +212,10 @@ def test_pages_link_only_to_files_that_exist(page):
             assert (page.parent / target).exists(), f"{page.name} links to {target}"
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_warnings_as_errors(tmp_path, monkeypatch):
-    """``mkdocs build --strict``, in this process (about 15 s here): no warning, every page and API page built."""
+    """``mkdocs build --strict``, in this process (15 to 20 s here, so ``slow``: the full run and CI build
+    the site; ``mkdocs build --strict`` alone does the same): no warning, every page and API page built."""
     pytest.importorskip("mkdocstrings_handlers.python", reason="the docs packages come with .[test]")
     from mkdocs.commands.build import build
     from mkdocs.config import load_config

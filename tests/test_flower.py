@@ -210,6 +210,7 @@ def test_a_lost_node_is_named_by_its_id_and_round_and_a_slow_one_as_slow(tmp_pat
     assert record["1"]["dropped"] is True and record["2"]["dropped"] is True
 
 
+@pytest.mark.slow
 def test_a_node_that_cannot_take_part_stops_the_run_with_its_reason(tmp_path):
     nodes = grid_nodes(tmp_path / "ledgers")
     nodes[102]["num-partitions"] = 4

@@ -151,6 +151,7 @@ def _interrupted(run: Path) -> None:
     (run / "summary.json").write_text(json.dumps({**summary, "status": "interrupted"}))
 
 
+@pytest.mark.slow
 def test_the_runner_changes_no_file_before_the_fit_starts(run, monkeypatch):
     """A resume whose fit refuses: the spec's new input_config.yaml, fit.log and harness.json stay out."""
     (run / "input_config.yaml").write_text("model: {num_rounds: 2}\n")

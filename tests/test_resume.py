@@ -122,6 +122,7 @@ def test_refused_resume_changes_no_file(run, capsys):
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_refused_fresh_start_into_a_finished_run_changes_no_file(run, capsys):
     before = _snapshot(run)
     assert main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "2.0"]) == 2
