@@ -6,19 +6,34 @@ does not grow with the number of clients and no Trainer is built per client.
 
 Bring a new model by passing any ``nn.Module`` (no BatchNorm) as ``net``, or subclass and
 override :meth:`per_sample_loss` for a different task.
+
+The local update rule is a config choice (``local_optimizer``: any ``torch.optim`` optimizer,
+SGD by default) whose learning rate is always the algorithm's (each :class:`LocalBatch`'s
+``lr``). A private step hands it the clipped, noised gradient and nothing else, as Opacus'
+``DPOptimizer`` wraps any optimizer: the update is post-processing of the noisy gradient and of
+the optimizer's own state, itself computed from earlier noisy gradients. The optimizer is built
+anew for each client's local update (``local_optimizer_state: fresh``, as FinP's code builds Adam
+every round) or continues from the state that client left at its previous update
+(``kept``): per-client state (e.g. Adam's moments) that stays on the client, is never uploaded,
+and is saved in checkpoints (and on a Flower node) like SCAFFOLD's ``c_i``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
-from fedfdp.errors import ConfigError
+from fedfdp.algorithms.client_state import ClientStateStore
+from fedfdp.errors import ConfigError, require
 from fedfdp.privacy.mechanism import current_trace, stamp_model
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.release import gaussian_sum_release
@@ -27,6 +42,73 @@ from fedfdp.types import MODEL_RELEASE, LocalBatch, StepOutput
 
 
 _QUANTILES = torch.tensor([0.05, 0.5, 0.95])
+
+LocalOptimizerState = Literal["fresh", "kept"]
+"""``fresh``: a new local optimizer for every local update of every client; ``kept``: each client's
+optimizer state carried from its previous local update (per-client client state)."""
+
+_OPTIMIZER_FIELD = "model.client.init_args.local_optimizer"
+
+
+def local_sgd(params: Any) -> torch.optim.Optimizer:
+    """The default local optimizer: plain SGD, ``w ← w − η g`` with ``η`` each batch's ``lr``."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def _phase_prefix(phase: str) -> str:
+    if not phase or "/" in phase or "#" in phase:
+        raise ValueError(f"local optimizer phase {phase!r} must be a non-empty name without '/' or '#'")
+    return phase + "/"
+
+
+def _check_local_optimizer(optimizer: Any) -> None:
+    """A local optimizer the loop can drive: a torch optimizer whose ``step()`` needs nothing but the
+    gradients (no closure re-evaluating the loss on data), with no learning rate of its own (the
+    step size is the algorithm's ``lr``, set from each :class:`LocalBatch`)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"{_OPTIMIZER_FIELD} must build a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(f"{_OPTIMIZER_FIELD}: {name} re-evaluates the loss on the data in its step (a closure), "
+                          f"which a private step cannot allow; use a first-order optimizer (SGD, Adam, AdamW, ...)")
+    lr = inspect.signature(type(optimizer).__init__).parameters.get("lr")
+    configured = optimizer.defaults.get("lr")
+    if lr is not None and lr.default is not inspect.Parameter.empty and configured is not None:
+        default = lr.default
+        if isinstance(configured, Tensor) or isinstance(default, Tensor) or float(configured) != float(default):
+            raise ConfigError(f"{_OPTIMIZER_FIELD} sets lr={configured}: the local step size is the algorithm's "
+                              f"(model.algorithm.init_args.lr, set on every step); drop lr from its init_args")
+
+
+def _flatten_state(state: dict[Any, dict[str, Any]], phase: str) -> dict[str, Tensor]:
+    """An optimizer's per-parameter ``state`` as ``{"<phase>/<param index>/<key>": tensor}`` (copies;
+    a Python number ``v`` as ``"…/<key>#<type>"``: a 0-d tensor)."""
+    flat: dict[str, Tensor] = {}
+    for index, entry in state.items():
+        for key, value in entry.items():
+            name = f"{phase}/{index}/{key}"
+            if isinstance(value, Tensor):
+                flat[name] = value.detach().clone()
+            elif isinstance(value, (bool, int, float)):
+                flat[f"{name}#{type(value).__name__}"] = torch.tensor(value)
+            elif value is not None:
+                raise ConfigError(f"{_OPTIMIZER_FIELD}: local_optimizer_state: kept cannot keep the "
+                                  f"{type(value).__name__} {key!r} of the optimizer's state; use fresh")
+    return flat
+
+
+def _unflatten_state(flat: dict[str, Tensor], phase: str) -> dict[int, dict[str, Any]]:
+    """Inverse of :func:`_flatten_state` for one phase's entries (copies)."""
+    casts = {"bool": bool, "int": int, "float": float}
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in flat.items():
+        entry_phase, _, rest = name.partition("/")
+        if entry_phase != phase:
+            continue
+        index, _, key = rest.partition("/")
+        key, _, kind = key.partition("#")
+        state.setdefault(int(index), {})[key] = casts[kind](value.item()) if kind else value.clone()
+    return state
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -64,18 +146,48 @@ class ClientModule(LightningModule):
         replace_batchnorm: replace every BatchNorm of ``net`` by a GroupNorm over the same
             channels (as Opacus' ``ModuleValidator.fix``). BatchNorm mixes the samples of a batch,
             so a private run refuses it; this opts in to the replacement.
+        local_optimizer: the local update rule, a callable ``params -> torch.optim.Optimizer``
+            (config: ``{class_path: torch.optim.Adam, init_args: {betas: [0.9, 0.999]}}``); null
+            (default): plain SGD. Its learning rate is the algorithm's ``lr`` (every
+            :class:`LocalBatch`'s), so its init_args must not set ``lr``. A private step gives it
+            the clipped, noised gradient (DP-SGD's noise and accounting are unchanged; only the
+            update rule differs), then stamps the result as the released model.
+        local_optimizer_state: ``fresh`` (or null, the default): the optimizer is built anew for every local
+            update of every client (as FinP's code builds Adam every round); ``kept``: each
+            client continues from the optimizer state it left (e.g. Adam's moments and step
+            count), kept per client, never uploaded, saved in checkpoints. State is kept per
+            phase of a local update (Ditto's personal steps have their own).
     """
 
     def __init__(self, net: nn.Module, *, per_sample: Literal["auto", "ghost", "vmap"] = "auto",
-                 replace_batchnorm: bool = False) -> None:
+                 replace_batchnorm: bool = False, local_optimizer: OptimizerCallable | None = None,
+                 local_optimizer_state: LocalOptimizerState | None = None) -> None:
         super().__init__()
         _check_net(net)
+        require(local_optimizer_state in (None, "fresh", "kept"), f"model.client.init_args.local_optimizer_state "
+                f"must be fresh, kept or null (fresh), got {local_optimizer_state!r}")
+        require(local_optimizer is None or callable(local_optimizer), f"{_OPTIMIZER_FIELD} must be an optimizer "
+                f"class_path (e.g. torch.optim.Adam), a callable params -> optimizer, or null (SGD), got "
+                f"{type(local_optimizer).__name__}")
         self.automatic_optimization = False
         self.net = replace_batchnorm_layers(net) if replace_batchnorm else net
         self.engine = make_engine(self.net, per_sample, self.per_sample_loss)
+        self._local_optimizer_factory = local_sgd if local_optimizer is None else local_optimizer
+        # the default of a module that does not override configure_local_optimizer: plain SGD, no state
+        self._plain_sgd = local_optimizer is None and type(self).configure_local_optimizer is \
+            ClientModule.configure_local_optimizer
+        self.local_optimizer_state: LocalOptimizerState = local_optimizer_state or "fresh"
+        #: ``kept``: each client's optimizer state between its local updates, ``client id →
+        #: "<phase>/<param index>/<key>" → tensor`` (client state: never uploaded; checkpointed).
+        self.local_optimizer_states = ClientStateStore()
         # The local optimizer is a plain torch optimizer, not one returned by configure_optimizers:
         # the trainer's optimizer is the server's, whose steps count rounds (global_step).
-        self.local_optimizer = self.configure_local_optimizer()
+        try:
+            self.local_optimizer = self.configure_local_optimizer()
+        except (TypeError, ValueError) as err:  # the optimizer's own check of its init_args
+            raise ConfigError(f"{_OPTIMIZER_FIELD} could not be built: {err}") from err
+        if local_optimizer is not None:
+            _check_local_optimizer(self.local_optimizer)
 
     def forward(self, x: Tensor) -> Tensor:
         """Model output for a batch."""
@@ -86,8 +198,44 @@ class ClientModule(LightningModule):
         return F.cross_entropy(output, target, reduction="none")
 
     def configure_local_optimizer(self) -> torch.optim.Optimizer:
-        """The local optimizer; its learning rate is set from each :class:`LocalBatch`."""
-        return torch.optim.SGD(self.net.parameters(), lr=1.0)
+        """A new local optimizer (``local_optimizer`` on the net's parameters); its learning rate is
+        set from each :class:`LocalBatch`."""
+        return self._local_optimizer_factory(self.net.parameters())
+
+    @contextmanager
+    def local_optimizer_for(self, client_id: int, phase: str = "local") -> Iterator[torch.optim.Optimizer]:
+        """Within the block, :attr:`local_optimizer` is client ``client_id``'s for ``phase`` of its local update.
+
+        A new optimizer is built; with ``local_optimizer_state: kept`` it is loaded with the state
+        the client left in this phase at its previous local update, and its state is stored back
+        when the block ends. One module serves every client in turn: the federation opens this
+        around each client's local update (:meth:`fedfdp.Federation.train_client`, each client of
+        a stacked round), and an algorithm that trains a second model in the same update opens a
+        nested block with its own ``phase`` (Ditto's personal model), so the two never share
+        moments. The optimizer in use before the block is restored after it.
+        """
+        prefix = _phase_prefix(phase)
+        if self._plain_sgd:  # stateless: the one optimizer serves every client (lr set at each step)
+            yield self.local_optimizer
+            return
+        outer = self.local_optimizer
+        optimizer = self.configure_local_optimizer()
+        kept = self.local_optimizer_state == "kept"
+        if kept:
+            saved = _unflatten_state(self.local_optimizer_states.entry(client_id), phase)
+            if saved:
+                template = optimizer.state_dict()
+                optimizer.load_state_dict({"state": saved, "param_groups": template["param_groups"]})
+        self.local_optimizer = optimizer
+        try:
+            yield optimizer
+            if kept:
+                others = {k: v for k, v in self.local_optimizer_states.entry(client_id).items()
+                          if not k.startswith(prefix)}
+                own = _flatten_state(optimizer.state_dict()["state"], phase)
+                self.local_optimizer_states.set_entry(client_id, {**others, **own})
+        finally:
+            self.local_optimizer = outer
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters that the local step updates (and that are exchanged with the server)."""

@@ -248,6 +248,10 @@ class Federation(FederationEvaluation, LightningModule):
         if not self.algorithm.supports_distributed:
             raise ConfigError(f"{type(self.algorithm).__name__} keeps per-client state on the process that trains "
                               f"the client and cannot run on {world} processes; use trainer.devices: 1")
+        if self.client.local_optimizer_state == "kept":
+            raise ConfigError(f"model.client.init_args.local_optimizer_state: kept keeps each client's optimizer "
+                              f"state on the process that trains it and cannot run on {world} processes; use "
+                              f"trainer.devices: 1 or local_optimizer_state: fresh")
         for cb in callbacks:
             if not cb.supports_distributed:
                 raise ConfigError(f"callbacks.{type(cb).__name__} cannot run on {world} processes; "
@@ -261,6 +265,8 @@ class Federation(FederationEvaluation, LightningModule):
         """Store the algorithm's server state; save the loggers, so ``metrics.csv`` holds every round
         the checkpoint holds (a resume replays only the rounds after it)."""
         checkpoint["fedfdp"] = {"algorithm": self.algorithm.state_dict(), "total_rounds": self.total_rounds}
+        if self.client.local_optimizer_state == "kept":  # the clients' optimizer states (client state)
+            checkpoint["fedfdp"]["local_optimizer"] = self.client.local_optimizer_states.state_dict()
         for lg in self.loggers:
             lg.save()
 
@@ -268,6 +274,7 @@ class Federation(FederationEvaluation, LightningModule):
         """Restore the algorithm's server state and note the checkpoint's round."""
         self.start_round = int(checkpoint.get("global_step", 0))
         self.algorithm.load_state_dict(checkpoint["fedfdp"]["algorithm"])
+        self.client.local_optimizer_states.load_state_dict(checkpoint["fedfdp"].get("local_optimizer", {}))
 
     def on_fit_start(self) -> None:
         """Plan the rounds again now that any checkpoint is restored; refuse a run with none left.
@@ -392,7 +399,8 @@ class Federation(FederationEvaluation, LightningModule):
             self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
             data = self.client_data(client_id)
             generator = self.generator("client", self.current_round, client_id)
-            update = self.algorithm.local_update(self.client, data, context, generator)
+            with self.client.local_optimizer_for(client_id):  # fresh, or the client's kept state
+                update = self.algorithm.local_update(self.client, data, context, generator)
             self.release_client_update(data, update)
         return update
 

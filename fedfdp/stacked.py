@@ -18,7 +18,7 @@ with different start models go through the grouped network, :mod:`fedfdp.privacy
 3. per client, in client order, exactly the second half of the per-client step
    (:meth:`fedfdp.client.ClientModule.apply_private_sum`): ``G_k = S_k + N(0, (σC)² I)`` drawn
    from the same generator (its second draw), ``w_k = w_t − η G_k / n_k`` by the client's own
-   optimizer, then the upload and the client's ``on_client_update`` / ``on_client_release``
+   optimizer (any ``local_optimizer``, with the client's kept state loaded), then the upload and the client's ``on_client_update`` / ``on_client_release``
    callbacks with ``w_k`` loaded, as :meth:`fedfdp.Federation.training_step` does per client.
 
 Every random stream is therefore consumed as in the per-client path; the models agree up to
@@ -210,7 +210,8 @@ class StackedRound:
             assert clipped_sum is not None
             with tracing(client_ids[k]):  # the client's mechanism calls and release, checked before it leaves
                 client.set_flat_params(starts[k])
-                output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
+                with client.local_optimizer_for(client_ids[k]):  # fresh, or the client's kept state
+                    output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
                 update = spec.update(client, data[k], output)
                 federation.release_client_update(data[k], update)
             updates.append(update)

@@ -82,6 +82,9 @@ def _class_paths(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield "net", net["class_path"]
     if isinstance(model.get("server_optimizer"), dict):
         yield "server_optimizer", model["server_optimizer"]["class_path"]
+    local_optimizer = ((model.get("client") or {}).get("init_args") or {}).get("local_optimizer")
+    if isinstance(local_optimizer, dict):
+        yield "local_optimizer", local_optimizer["class_path"]
     if isinstance(data, dict) and "class_path" in data:
         yield "data", data["class_path"]
         features = (data.get("init_args") or {}).get("features")
@@ -104,7 +107,8 @@ def shipped() -> dict[str, tuple[str, ...]]:
 
 
 _PREFIX = {"algorithm": "model.algorithm.init_args", "net": "model.client.init_args.net.init_args",
-           "server_optimizer": "model.server_optimizer.init_args", "data": "data.init_args",
+           "server_optimizer": "model.server_optimizer.init_args",
+           "local_optimizer": "model.client.init_args.local_optimizer.init_args", "data": "data.init_args",
            "features": "data.init_args.features.init_args", "callback": "trainer.callbacks.init_args"}
 
 
@@ -162,6 +166,7 @@ _NETS: dict[str, dict[str, Any]] = {  # nets on the 8x8, 4-class synthetic image
     "MLP": {"in_features": 64, "num_classes": 4, "hidden": 16},
     "TinyCNN": {"in_channels": 1, "num_classes": 4, "image_size": 8},
     "FedAvgCNN": {"in_channels": 1, "num_classes": 4, "image_size": 8, "hidden": 16, "padding": 2},
+    "HuCNN": {"in_channels": 1, "num_classes": 4, "image_size": 8, "hidden": [16, 8], "padding": 2},
     "ResNetGN": {"depth": 8, "num_classes": 4, "in_channels": 1, "base_width": 8, "groups": 4},
 }
 #: callbacks whose tiny setup is not an algorithm case: (init_args, algorithm, data swap)
@@ -217,6 +222,8 @@ def family_config(family: Family, tmp: Path) -> Path:
         model["client"]["init_args"]["net"] = {"class_path": family.class_path, "init_args": dict(args)}
     if kind == "server_optimizer":
         model["server_optimizer"] = {"class_path": family.class_path, "init_args": {"lr": 1.0}}
+    if kind == "local_optimizer":  # its lr is the algorithm's
+        model["client"]["init_args"]["local_optimizer"] = {"class_path": family.class_path, "init_args": {}}
     if callback is not None:  # last in the list: --trainer.callbacks.init_args.X sets the last callback's X
         others = [c for c in config["trainer"].get("callbacks") or [] if c["class_path"] != family.class_path]
         config["trainer"]["callbacks"] = [*others, callback]

@@ -77,7 +77,8 @@ class _Ditto:
         client.set_flat_params(personal)
         lam = self.personal_weight
         wrapped = TermClient(client, lambda v: lam * (v - start))
-        personal_update = self.personal_update(wrapped, data, context, personal_gen)
+        with client.local_optimizer_for(data.client_id, "personal"):  # its own optimizer state, not w_t's
+            personal_update = self.personal_update(wrapped, data, context, personal_gen)
         self.client_state.set(data.client_id, "personal", personal_update.params)
         # exactly the round's events: the parent's steps once per charged phase (each phase's own
         # upload already lists this class's planned events, i.e. both phases: adding them would

@@ -185,6 +185,29 @@ def _first_branch(text: str, start: int) -> str:
 
 _TOKENS = re.compile(r"Problem with given class_path '(?P<cls>[^']+)':|Parser key \"(?P<key>[^\"]+)\":"
                      r"|Option '(?P<option>[^']+)' is not accepted")
+_CALLABLE_PROBLEM = re.compile(r"expects a function or a callable class: ")
+
+
+def _callable_error(path: str, problem: str) -> str:
+    """One line for a callable option (``local_optimizer``, ``server_optimizer``) at ``path`` whose
+    class could not be imported or whose own init_args are wrong (``problem``: jsonargparse's text
+    after "expects a function or a callable class:")."""
+    given = re.search(r"Got value: Namespace\(class_path='([^']+)'", problem)
+    cls = given.group(1) if given else _given(problem)
+    problem = re.split(r"\n\s*- Expected a <class 'NoneType'>", problem)[0]
+    problem = re.sub(r"\s*Got value: Namespace\(.*$", "", problem, flags=re.DOTALL)
+    key = re.match(r'\s*Parser key "([^"]+)":(.*)', problem, re.DOTALL)
+    if key:
+        value = re.search(r"Got value: (.*?)\.?\s*$", key.group(2).strip(), re.DOTALL)
+        got = f", got {value.group(1)!r}" if value else ""
+        return f"{path}.init_args.{key.group(1)} must be {_expected(key.group(2))}{got}"
+    option = re.match(r"\s*Option '([^']+)' is not accepted", problem)
+    if option and cls:
+        options = class_options(cls)
+        listed = f" (its options: {', '.join(options)})" if options else ""
+        return f"{path}.init_args: {cls} has no option '{option.group(1)}'{_did_you_mean(option.group(1), options)}{listed}"
+    reason = " ".join(re.sub(r"\.?\s*Got value: .*$", "", problem, flags=re.DOTALL).split()).rstrip(".")
+    return f"{path}: cannot use {cls or 'the given class'} ({reason})"
 _IMPORT_PROBLEM = re.compile(r"has no attribute|No module named|not accessible|Import path|does not exist")
 
 
@@ -199,7 +222,8 @@ def _class_path_error(key: str, text: str) -> str | None:
         return None
     branch = _first_branch(text, first)
     path, class_path, param, detail_start = key, "", None, 0
-    for token in _TOKENS.finditer(branch):
+    unusable = _CALLABLE_PROBLEM.search(branch)  # a callable init argument (an optimizer) went wrong
+    for token in _TOKENS.finditer(branch, 0, unusable.start() if unusable else len(branch)):
         if token.group("cls"):
             if param is not None:  # a nested class path: an init argument that is itself a class
                 path, param = f"{path}.init_args.{param}", None
@@ -212,6 +236,8 @@ def _class_path_error(key: str, text: str) -> str | None:
             listed = f" (its options: {', '.join(options)})" if options else ""
             return (f"{path}.init_args: {class_path} has no option '{option}'"
                     f"{_did_you_mean(option, options)}{listed}")
+    if param is not None and unusable is not None:
+        return _callable_error(f"{path}.init_args.{param}", branch[unusable.end():])
     if param is not None:
         detail = branch[detail_start:]
         given = _given(detail)
@@ -275,6 +301,9 @@ def explain_parse_error(message: str, parser: Any | None = None) -> str:
         return f"{flat} (give a config file: --config configs/fmnist.yaml)"
     key = re.match(r'Parser key "([^"]+)":', text)
     if key:
+        unusable = _CALLABLE_PROBLEM.search(text)
+        if unusable and "Problem with given class_path" not in text[:unusable.start()]:
+            return _callable_error(key.group(1), text[unusable.end():])  # e.g. model.server_optimizer
         described = _class_path_error(key.group(1), text)
         if described:
             return described

@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_LEDGER_DIR", "NodeClient", "NodeSettings", "release_callbacks"]
 
 DEFAULT_LEDGER_DIR = "~/.fedfdp/ledgers"
+_LOCAL_OPTIMIZER = "client.local_optimizer/"
+"""Prefix of the client's kept local-optimizer state (``ClientModule.local_optimizer_states``) in the
+node's state file, beside the algorithm's client state (no algorithm attribute has a dot)."""
 _KEYS = ("partition-id", "num-partitions", "ledger-dir", "target-epsilon", "secure-rng", "data-dir")
 
 
@@ -185,7 +188,11 @@ class NodeClient:
         if not state_key.run_key:
             return None
         store = NodeStateFile(self.settings.ledger_dir, state_key.run_key, self.client_id, cache)
-        algorithm.import_client_state(self.client_id, store.load(state_key.client_round))
+        state = store.load(state_key.client_round)
+        optimizer = {k: v for k, v in state.items() if k.startswith(_LOCAL_OPTIMIZER)}
+        algorithm.import_client_state(self.client_id, {k: v for k, v in state.items() if k not in optimizer})
+        self.federation.client.local_optimizer_states.set_entry(
+            self.client_id, {k[len(_LOCAL_OPTIMIZER):]: v for k, v in optimizer.items()})
         return store
 
     def train(self, params: torch.Tensor, round_idx: int, broadcast: dict[str, float],
@@ -220,7 +227,9 @@ class NodeClient:
             vector_to_parameters(params.clone(), trainable(fed.global_model))  # w_t (global-loss releases)
         update = fed.train_client(cid, RoundContext(round=round_idx, broadcast=dict(broadcast)), params)
         if store is not None:
-            store.save(round_idx, fed.algorithm.export_client_state(cid))
+            optimizer = fed.client.local_optimizer_states.entry(cid)  # local_optimizer_state: kept
+            store.save(round_idx, {**fed.algorithm.export_client_state(cid),
+                                   **{_LOCAL_OPTIMIZER + k: v for k, v in optimizer.items()}})
         logger.info("client %d: round %d released (epsilon %.4f of %s)", cid, round_idx + 1, self.ledger.epsilon(),
                     self.ledger.target_epsilon)
         return update

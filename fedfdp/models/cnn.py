@@ -46,6 +46,43 @@ class FedAvgCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class HuCNN(nn.Module):
+    """The CNN of Hu et al.'s source-inference code that FinP trains (FinP spec §4.2, Table 3):
+    Conv(5x5, 32) → ReLU → MaxPool2 → Conv(5x5, 64) → ReLU → MaxPool2 → FC(512) → ReLU → FC(128)
+    → ReLU → FC(classes).
+
+    :class:`FedAvgCNN` with a second hidden layer: 1600 → 512 on 32x32 RGB inputs (the code's
+    CIFAR-10 model), 1024 → 512 on 28x28 single-channel inputs (643,850 parameters on FashionMNIST).
+    No BatchNorm or Dropout.
+
+    Args:
+        in_channels: image channels.
+        num_classes: number of output classes.
+        image_size: input height = width (28 or 32).
+        hidden: widths of the two hidden fully connected layers.
+        padding: zero padding of both convolutions (0 in the code).
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28,
+                 hidden: tuple[int, int] = (512, 128), padding: int = 0) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, kernel_size=5, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, kernel_size=5, padding=padding), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        )
+        side = ((image_size - 4 + 2 * padding) // 2 - 4 + 2 * padding) // 2
+        first, second = hidden
+        self.classifier = nn.Sequential(
+            nn.Linear(64 * side * side, first), nn.ReLU(),
+            nn.Linear(first, second), nn.ReLU(),
+            nn.Linear(second, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape (B, num_classes)."""
+        return self.classifier(self.features(x))
+
+
 class MLP(nn.Module):
     """A small fully connected classifier (used for fast tests and as a subclassing example).
 
