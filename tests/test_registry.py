@@ -26,8 +26,11 @@ def test_importing_the_package_imports_no_algorithm():
 
 @pytest.mark.slow
 def test_naming_one_algorithm_imports_its_module_only():
-    assert _imported_after("import fedfdp.algorithms as a\na.FedAvg") == ["fedfdp.algorithms.base",
-                                                                        "fedfdp.algorithms.fedavg"]
+    # client_state is the per-client tensor store that the client module itself uses (a kept local
+    # optimizer's state), not an algorithm: it may come along; no other algorithm's module may
+    imported = _imported_after("import fedfdp.algorithms as a\na.FedAvg")
+    assert [m for m in imported if m != "fedfdp.algorithms.client_state"] == ["fedfdp.algorithms.base",
+                                                                              "fedfdp.algorithms.fedavg"]
 
 
 def test_registry_names_the_module_that_defines_each_public_name():
