@@ -398,3 +398,31 @@ def test_a_batch_of_real_trials_fits_together_and_scores_each_on_validation(tmp_
         run_dir = study_dir / f"trial{trial.number}"
         assert json.loads((run_dir / "harness.json").read_text())["command"][0] == "sweep"
         assert trial.value == pytest.approx(_history_mean(run_dir))
+
+
+def test_trials_txt_has_one_line_per_ended_trial_matching_the_study(tmp_path, monkeypatch):
+    """``trials.txt`` is rewritten after every trial: trial order, state, objective, each term alone,
+    rounds, ε and the sampled values; a failed trial says why (its line has no value)."""
+    from fedfdp.experiments import tune
+
+    def fake(settings, number, overrides):
+        if number == 2:
+            return None, {"error": "trial 2 diverged", "rounds_run": [3]}
+        lr = float(overrides["model.algorithm.init_args.lr"])
+        return lr, {"val_accuracy": [lr / 2, lr / 4], "rounds_run": [7, 7], "epsilon": [1.25, 1.5]}
+
+    monkeypatch.setattr(tune, "run_trial", fake)
+    assert _tune(tmp_path / "study", "--trials", "4") == 0
+    study = optuna.load_study(study_name="study", storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
+    lines = (tmp_path / "study" / "trials.txt").read_text().splitlines()
+    assert lines[0].startswith("# study study: objective val_accuracy")
+    assert len(lines) == 1 + len(study.trials) == 5
+    for line, trial in zip(lines[1:], study.trials):
+        assert line.startswith(f"trial{trial.number} {trial.state.name}")
+        lr = trial.params["model.algorithm.init_args.lr"]
+        assert f"lr={lr:.4g}" in line
+        if trial.number == 2:
+            assert "value" not in line and "error trial 2 diverged" in line and "rounds 3" in line
+        else:
+            assert f"value {trial.value:.4f}" in line
+            assert f"val_accuracy {100 * (lr / 2 + lr / 4) / 2:.2f}" in line and "rounds 7/7 eps 1.500" in line

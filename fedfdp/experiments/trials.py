@@ -171,6 +171,8 @@ def trial_result(settings: Settings, number: int,
             notes["error"] = str(err)
             return None, notes
         notes["rounds_run"].append(summary.get("rounds_run"))
+        for _, name in settings.terms:  # each term alone (mean of the same last evaluations), for trials.txt
+            notes.setdefault(name, []).append(objective_value(summary, [(1.0, name)], settings.last))
         if summary.get("epsilon") is not None:
             notes.setdefault("epsilon", []).append(summary["epsilon"])
     return sum(values) / len(values), notes
