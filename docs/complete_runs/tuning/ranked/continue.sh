@@ -59,4 +59,4 @@ while :; do
   done
   (( progressed )) || break
 done
-echo "$(date -u +%FT%TZ) every study holds $TARGET finished trials"
+echo "$(date -u +%FT%TZ) done: every study left holds $TARGET finished trials${STUDIES:+ ($STUDIES)}"
