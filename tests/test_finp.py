@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.func import functional_call
 
@@ -174,3 +175,24 @@ def test_finp_table_rows_and_dry_run(tmp_path, capsys):
     assert main(["finp-table", "--rows", "main,dpfinp_ala", "--out", str(tmp_path), "--dry_run"]) == 0
     out = capsys.readouterr().out
     assert out.count("fedfdp.fit") == 7 and "DPFedAvg" not in out and "finp_fmnist_dp.yaml" in out
+
+
+def test_finp_table_cnn_rows_use_the_cnn_configs_and_label_their_own_beta(tmp_path, capsys):
+    """``--dataset fmnist_cnn``: every row runs FinP's CNN with Adam (its own configs), the baseline
+    is FinP with both parts off (FedAvg in the same Adam loop), there is no FedFDP row, and the labels
+    show the CNN configs' β and σ, not the MLP's."""
+    from fedfdp.experiments.__main__ import main
+    from fedfdp.experiments.finp import DATASETS, row_label
+
+    assert main(["finp-table", "--dataset", "fmnist_cnn", "--rows", "baseline,finp_pca,dp", "--out", str(tmp_path),
+                 "--dry_run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "fedfdp.fit" in line]
+    assert len(lines) == 2 + 4  # baseline, finp_pca and the four DP rows; FedFDP has no CNN config
+    assert all("finp_fmnist_cnn" in line for line in lines)
+    assert sum("finp_fmnist_cnn_dp.yaml" in line for line in lines) == 4
+    baseline = next(line for line in lines if "/baseline/" in line)
+    assert "client_reg false" in baseline and "server_agg size_fedavg" in baseline
+    cnn = yaml.safe_load((REPO / DATASETS["fmnist_cnn"].config).read_text())["model"]["algorithm"]["init_args"]
+    assert row_label("finp_pca", "fmnist_cnn") == f"FinP (PCA, β={cnn['beta']:g})"
+    assert row_label("finp_pca", "fmnist") == "FinP (PCA, β=2)"
+    assert row_label("dpfedavg", "fmnist") == "DP-FedAvg (σ=1.5)"

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import finished_summary
@@ -25,36 +28,64 @@ from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.privacy.sia_metrics import convergence_round
 
 
-CONFIG = "{config}"  # the dataset's FinP config (see DATASETS)
-DP_CONFIG = "configs/finp_fmnist_dp.yaml"
-FEDFDP_CONFIG = "configs/fedfdp_fmnist_sia.yaml"
 A = "--model.algorithm.init_args."
-FEDAVG = ["{fedavg}"]
-# dataset -> (FinP config, baseline overrides, whether the DP rows exist)
-DATASETS: dict[str, tuple[str, list[str], bool]] = {
-    "fmnist": ("configs/finp_fmnist.yaml", ["--model.algorithm", "fedfdp.algorithms.FedAvg", A + "lr", "0.05",
-                                             A + "local_epochs", "2", A + "batch_size", "32"], True),
-    # FinP with both parts off is FedAvg exactly (same loop, n_k weights, nothing extra uploaded)
-    "synthetic_har": ("configs/finp_synthetic_har.yaml", [A + "client_reg", "false", A + "server_agg", "size_fedavg"],
-                      False),
+# the configs a row names, resolved per dataset (Dataset below)
+CONFIG, DP_CONFIG, FEDFDP_CONFIG = "finp", "dp", "fedfdp"
+FEDAVG = ["{fedavg}"]  # the dataset's FedAvg baseline overrides
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The configs of one dataset's rows: FinP's, the DP rows' (None: no DP rows), FedFDP's (None: no
+    FedFDP row), and the overrides that turn the FinP config into the FedAvg baseline."""
+
+    config: str
+    baseline: list[str]
+    dp_config: str | None = None
+    fedfdp_config: str | None = None
+
+    def path(self, kind: str) -> str | None:
+        return {CONFIG: self.config, DP_CONFIG: self.dp_config, FEDFDP_CONFIG: self.fedfdp_config}[kind]
+
+    def label_values(self) -> dict[str, str]:
+        """β of the FinP and DP configs, σ of the DP config: the values the row labels show."""
+        def init_args(path: str | None) -> dict[str, Any]:
+            return yaml.safe_load(Path(path).read_text())["model"]["algorithm"]["init_args"] if path else {}
+
+        finp, dp = init_args(self.config), init_args(self.dp_config)
+        return {"beta": f"{finp.get('beta', '?'):g}" if "beta" in finp else "?",
+                "dp_beta": f"{dp['beta']:g}" if "beta" in dp else "?",
+                "sigma": f"{dp['noise_multiplier']:g}" if "noise_multiplier" in dp else "?"}
+
+
+# FinP with both parts off is FedAvg exactly (same loop and local optimizer, n_k weights, nothing extra uploaded)
+SAME_LOOP_FEDAVG = [A + "client_reg", "false", A + "server_agg", "size_fedavg"]
+DATASETS: dict[str, Dataset] = {
+    "fmnist": Dataset("configs/finp_fmnist.yaml", ["--model.algorithm", "fedfdp.algorithms.FedAvg", A + "lr", "0.05",
+                                                    A + "local_epochs", "2", A + "batch_size", "32"],
+                      "configs/finp_fmnist_dp.yaml", "configs/fedfdp_fmnist_sia.yaml"),
+    # FinP's own CNN (HuCNN) and Adam, 5 local epochs of batch 64 (spec §4.2); its baseline is FedAvg
+    # with the same Adam loop
+    "fmnist_cnn": Dataset("configs/finp_fmnist_cnn.yaml", SAME_LOOP_FEDAVG, "configs/finp_fmnist_cnn_dp.yaml"),
+    "synthetic_har": Dataset("configs/finp_synthetic_har.yaml", SAME_LOOP_FEDAVG),
 }
-# row name -> (group, label, config, overrides)
+# row name -> (group, label, config kind, overrides); {beta}, {dp_beta}, {sigma}: the dataset's values
 ROWS: dict[str, tuple[str, str, str, list[str]]] = {
     "baseline": ("main", "Baseline (FedAvg)", CONFIG, FEDAVG),
-    "finp_client": ("main", "FinP_client (β=2)", CONFIG, [A + "server_agg", "size_fedavg"]),
+    "finp_client": ("main", "FinP_client (β={beta})", CONFIG, [A + "server_agg", "size_fedavg"]),
     "finp_server_pca": ("main", "FinP_server (PCA)", CONFIG, [A + "client_reg", "false"]),
-    "finp_pca": ("main", "FinP (PCA, β=2)", CONFIG, []),
+    "finp_pca": ("main", "FinP (PCA, β={beta})", CONFIG, []),
     "finp_server_ala": ("main", "FinP_server (ALA)", CONFIG, [A + "client_reg", "false", A + "server_agg", "ala"]),
-    "finp_ala": ("main", "FinP (ALA, β=2)", CONFIG, [A + "server_agg", "ala"]),
+    "finp_ala": ("main", "FinP (ALA, β={beta})", CONFIG, [A + "server_agg", "ala"]),
     "finp_pca_b0.1": ("beta", "FinP (PCA, β=0.1)", CONFIG, [A + "beta", "0.1"]),
     "finp_pca_b0.5": ("beta", "FinP (PCA, β=0.5)", CONFIG, [A + "beta", "0.5"]),
     "finp_ala_b0.1": ("beta", "FinP (ALA, β=0.1)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.1"]),
     "finp_ala_b0.5": ("beta", "FinP (ALA, β=0.5)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.5"]),
     "finp_ala_b8": ("beta", "FinP (ALA, β=8)", CONFIG, [A + "server_agg", "ala", A + "beta", "8"]),
-    "dpfedavg": ("dp", "DP-FedAvg (σ=1.5)", DP_CONFIG, ["--model.algorithm", "fedfdp.algorithms.DPFedAvg"]),
+    "dpfedavg": ("dp", "DP-FedAvg (σ={sigma})", DP_CONFIG, ["--model.algorithm", "fedfdp.algorithms.DPFedAvg"]),
     "dpfinp_server_ala": ("dp", "FinP_server (ALA) + DP-SGD", DP_CONFIG, [A + "client_reg", "false"]),
     "dpfinp_ala_b0.1": ("dp", "FinP (ALA, β=0.1) + DP-SGD", DP_CONFIG, [A + "beta", "0.1"]),
-    "dpfinp_ala": ("dp", "FinP (ALA, β=0.5) + DP-SGD", DP_CONFIG, []),
+    "dpfinp_ala": ("dp", "FinP (ALA, β={dp_beta}) + DP-SGD", DP_CONFIG, []),
     "fedfdp": ("dp", "FedFDP (λ=0.1)", FEDFDP_CONFIG, []),
 }
 COLUMNS = [("train_acc", "Train acc %"), ("test_acc", "Test acc %"), ("sia_mean", "Mean(SIA) %"),
@@ -88,14 +119,21 @@ def selected_rows(spec: str | list[str]) -> list[str]:
 
 def run_spec(name: str, seed: int, out: Path, rounds: int | None, dataset: str = "fmnist") -> RunSpec:
     """The run of row ``name`` and ``seed``: ``<out>/<name>/seed<seed>``."""
-    _, _, config, overrides = ROWS[name]
-    finp_config, fedavg, _ = DATASETS[dataset]
+    _, _, kind, overrides = ROWS[name]
+    data = DATASETS[dataset]
+    config = data.path(kind)
+    if config is None:
+        raise ValueError(f"row {name} has no config for --dataset {dataset}")
     args = ["--trainer.enable_progress_bar", "false", "--wandb", "disabled",
-            *(fedavg if overrides == FEDAVG else overrides)]
+            *(data.baseline if overrides == FEDAVG else overrides)]
     if rounds is not None:
         args += ["--model.num_rounds", str(rounds)]
-    return RunSpec(run_dir=out / name / f"seed{seed}", config=Path(config.format(config=finp_config)), seed=seed,
-                   args=tuple(args))
+    return RunSpec(run_dir=out / name / f"seed{seed}", config=Path(config), seed=seed, args=tuple(args))
+
+
+def row_label(name: str, dataset: str) -> str:
+    """Row ``name``'s label with the dataset's β and σ."""
+    return ROWS[name][1].format(**DATASETS[dataset].label_values())
 
 
 def row_values(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -130,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         message(f"error: finp-table: {err}")
         return 2
-    if not DATASETS[args.dataset][2]:
-        rows = [r for r in rows if ROWS[r][0] != "dp"]
+    data = DATASETS[args.dataset]
+    rows = [r for r in rows if data.path(ROWS[r][2]) is not None]  # rows the dataset has no config for
     runner = Runner(env={"WANDB_MODE": "disabled"})
     specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in rows for seed in seeds}
     if args.dry_run:  # the dry run's output is the list of commands
@@ -154,8 +192,9 @@ def run(args: argparse.Namespace) -> int:
         values = [row_values(summary) for summary in summaries]
         mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)
                 for k, _ in COLUMNS}
-        records.append({"row": name, "label": ROWS[name][1], "seeds": len(seeds), **mean})
-        lines.append(f"| {ROWS[name][1]} | " + " | ".join(_fmt(mean[k], k) for k, _ in COLUMNS) + " |")
+        label = row_label(name, args.dataset)
+        records.append({"row": name, "label": label, "seeds": len(seeds), **mean})
+        lines.append(f"| {label} | " + " | ".join(_fmt(mean[k], k) for k, _ in COLUMNS) + " |")
     table = "\n".join(lines) + "\n"
     md = Path(args.markdown) if args.markdown else out / "table.md"
     md.parent.mkdir(parents=True, exist_ok=True)
