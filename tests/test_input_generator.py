@@ -22,11 +22,13 @@ import io
 import json
 import math
 import os
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedfdp.fit import main
 from tests.input_generator import Case, all_cases, default_sample, families, family_config, path_value
@@ -163,3 +165,14 @@ def test_generator_covers_every_shipped_family_and_value_kind() -> None:
     for value in ("0", "-1", "1e-300", "1e300", ".inf", ".nan", "abc", "", str(2**40), "path:junk"):
         assert value in values, value
     assert len({c.family for c in SAMPLE}) >= 15
+
+
+def test_every_net_family_has_a_tiny_config() -> None:
+    """Every net that a shipped config names (a generated family) gets a tiny config here, so a new
+    net in a config cannot wait for the full fuzz run to fail on a missing entry."""
+    nets = [f for f in _FAMILIES.values() if f.name.startswith("net:")]
+    assert nets
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in nets:
+            config = yaml.safe_load(family_config(family, Path(tmp)).read_text())
+            assert config["model"]["client"]["init_args"]["net"]["class_path"] == family.class_path, family.name

@@ -43,6 +43,7 @@ TABLES = {
     "table5_fmnist": "fedfdp-V", "table6_fmnist": "fedfdp-VI",
     "rcdpfl_mnist": "rcdpfl", "rcdpfl_fmnist": "rcdpfl", "finp_fmnist": "finp",
     "issue23_fmnist10": "equal-budget-10clients", "issue23_fmnist50": "equal-budget-50clients",
+    "ranked_fmnist10": "ranked-10clients", "ranked_fmnist50": "ranked-50clients",
 }
 DATASETS = {"FashionMNISTDataModule": "fmnist", "MNISTDataModule": "mnist"}
 FINISHED = ("completed", "budget_spent")
