@@ -426,3 +426,52 @@ def test_trials_txt_has_one_line_per_ended_trial_matching_the_study(tmp_path, mo
         else:
             assert f"value {trial.value:.4f}" in line
             assert f"val_accuracy {100 * (lr / 2 + lr / 4) / 2:.2f}" in line and "rounds 7/7 eps 1.500" in line
+
+
+RANKED_SPACES = sorted((REPO / "configs" / "search_spaces" / "ranked").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RANKED_SPACES, ids=[p.stem for p in RANKED_SPACES])
+def test_ranked_search_spaces_load_and_contain_their_base_config(path):
+    """The ranked studies' spaces (docs/complete_runs/tuning/ranked/) are valid, name their base
+    config and contain every value it sets, so a TPE study's trial 0 (and a grid's point) is that
+    config; an option the config leaves unset (no server optimizer: the plain average) is drawn."""
+    base = re.search(r"^# base config: (\S+)", path.read_text(), re.M)
+    assert base, f"{path.name} names no '# base config:'"
+    config = yaml.safe_load((REPO / base.group(1)).read_text())
+    space = load_space(str(path))
+
+    def set_in(config: dict, key: str) -> bool:
+        node = config
+        for part in key.split("."):
+            if not isinstance(node, dict) or node.get(part) is None:
+                return False
+            node = node[part]
+        return True
+
+    expected = {key for key in space if set_in(config, key)}
+    assert expected and expected <= set(baseline_params(config, space)), "the base config's values lie outside the space"
+
+
+def test_baseline_params_reproduce_a_named_alternative_with_its_inner_values():
+    """Trial 0 of a space with named alternatives (the server optimizer) is the config's own node:
+    the alternative whose fixed parts match, and the values of the distributions inside it."""
+    from fedfdp.experiments.search_space import sample_overrides
+
+    space = {"model.server_optimizer": {"type": "categorical", "choices": {
+        "adam": {"class_path": "torch.optim.Adam", "init_args": {"lr": {"type": "float", "low": 1e-3, "high": 1.0}}},
+        "sgd": {"class_path": "torch.optim.SGD",
+                "init_args": {"lr": 1.0, "momentum": {"type": "float", "low": 0.0, "high": 0.9}}}}},
+        "model.ema_decay": {"type": "categorical", "choices": [None, 0.9]}}
+    node = {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0, "momentum": 0.5}}
+    config = {"model": {"server_optimizer": node, "ema_decay": 0.9}}
+    params = baseline_params(config, space)
+    assert params == {"model.server_optimizer": "sgd", "model.server_optimizer.sgd.init_args.momentum": 0.5,
+                      "model.ema_decay": 0.9}
+    study = optuna.create_study()
+    study.enqueue_trial(params)
+    assert sample_overrides(study.ask(), space) == {"model.server_optimizer": node, "model.ema_decay": 0.9}
+    for other in ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.5}},  # a fixed part differs
+                  {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0, "momentum": 0.95}},  # out of range
+                  {"class_path": "torch.optim.SGD", "init_args": {"lr": 1.0, "momentum": 0.5, "nesterov": True}}):
+        assert "model.server_optimizer" not in baseline_params({"model": {"server_optimizer": other}}, space)

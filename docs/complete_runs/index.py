@@ -44,6 +44,7 @@ TABLES = {
     "rcdpfl_mnist": "rcdpfl", "rcdpfl_fmnist": "rcdpfl", "finp_fmnist": "finp",
     "issue23_fmnist10": "equal-budget-10clients", "issue23_fmnist50": "equal-budget-50clients",
     "ranked_fmnist10": "ranked-10clients", "ranked_fmnist50": "ranked-50clients",
+    "ranked_fmnist10_dir0p5": "ranked-10clients-dir0.5",
 }
 DATASETS = {"FashionMNISTDataModule": "fmnist", "MNISTDataModule": "mnist"}
 FINISHED = ("completed", "budget_spent")

@@ -165,22 +165,55 @@ def _get_dotted(config: dict[str, Any], key: str) -> Any:
 
 
 def baseline_params(config: dict[str, Any], space: dict[str, Any]) -> dict[str, Any]:
-    """The config's own values of the space's plain float/int/categorical keys that lie in their range."""
+    """The config's own values of the space's keys, as the trial parameters that reproduce them.
+
+    A plain float/int/categorical key gives its value when it lies in the range (or the choices). A
+    categorical of named alternatives (``choices: {sgd: {class_path: ..., init_args: {momentum:
+    {type: float, ...}}}}``) gives the alternative whose fixed parts equal the config's node and the
+    values of the distributions inside it (named as :func:`sample_overrides` names them), so a
+    config's server optimizer is trial 0's too. A key the config leaves unset, or sets to something
+    the space cannot produce, is left out (the sampler draws it).
+    """
     params: dict[str, Any] = {}
     for key, spec in space.items():
         if not _is_distribution(spec):
             continue
-        value = _get_dotted(config, key)
-        if value is None or isinstance(value, bool):
-            continue
-        if spec["type"] == "categorical":
-            if isinstance(spec["choices"], list) and value in spec["choices"]:
-                params[key] = value
-        elif isinstance(value, (int, float)) and spec["low"] <= value <= spec["high"]:
-            if spec["type"] == "int" and not isinstance(value, int):
-                continue
-            params[key] = value
+        found = _match(key, spec, _get_dotted(config, key))
+        if found is not None:
+            params.update(found)
     return params
+
+
+def _match(name: str, spec: Any, value: Any) -> dict[str, Any] | None:
+    """The parameters under ``name`` with which ``spec`` resolves to ``value``; None when none can."""
+    if _is_distribution(spec):
+        if value is None or isinstance(value, bool):
+            return None
+        if spec["type"] == "categorical":
+            choices = spec["choices"]
+            if isinstance(choices, dict):
+                for choice, sub in choices.items():
+                    found = _match(f"{name}.{choice}", sub, value)
+                    if found is not None:
+                        return {name: str(choice), **found}
+                return None
+            return {name: value} if value in choices else None
+        if not isinstance(value, (int, float)) or not spec["low"] <= value <= spec["high"]:
+            return None
+        if spec["type"] == "int" and not isinstance(value, int):
+            return None
+        return {name: value}
+    if isinstance(spec, dict):
+        if not isinstance(value, dict) or set(value) - set(spec):  # the override would drop the extra keys
+            return None
+        params: dict[str, Any] = {}
+        for k, sub in spec.items():
+            found = _match(f"{name}.{k}", sub, value.get(k))
+            if found is None:
+                return None
+            params.update(found)
+        return params
+    return {} if spec == value else None
 
 
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
