@@ -9,8 +9,11 @@
 #   bash benchmarks/gpu_session.sh table4 S  # Table IV's missing runs as 16 side-by-side fit processes (started
 #                                            # once, detached; a later call finds them running or resumes them),
 #                                            # waiting at most S seconds, then the finished runs' files to $OUT
+#   bash benchmarks/gpu_session.sh finp_cnn S  # FinP's CNN with Adam (finp-table --dataset fmnist_cnn), main and
+#                                            # DP rows x seeds 0 1 2: one detached finp-table per (row, seed)
+#                                            # side by side, as table4; at most S seconds, then the runs to $OUT
 set -u
-step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS}
+step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 exec > >(tee -a "$out/$step.log") 2>&1
@@ -18,7 +21,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled PYTHONUNBUFFERED=1
 export FEDFDP_DATA_DIR=$PWD/.gpu/data
-if [ "$step" = table4 ]; then
+if [ "$step" = table4 ] || [ "$step" = finp_cnn ]; then
   # 16 processes share the GPU: one thread each (16 cores), and each process's caching allocator capped
   # (the third lease lost a run to out-of-memory when 15 processes each cached 4-14 GB)
   export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True FEDFDP_CUDA_MEMORY_FRACTION=0.055
@@ -73,5 +76,26 @@ if [ "$step" = table4 ]; then
   echo "table4: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/paper/table4/*/*/seed*/summary.json 2>/dev/null | wc -l)"
   tar -czf "$out/table4_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/paper/table4
   cp /tmp/table4_*.log "$out/" 2>/dev/null
+  ls -la "$out"
+fi
+if [ "$step" = finp_cnn ]; then
+  wait_s=${2:?usage: gpu_session.sh finp_cnn SECONDS}
+  # measured on the CPU (2026-11-28): a main row's round is 5 local epochs of Adam at batch 64 on
+  # HuCNN, about 3,500 steps (110 s a round here, 37 min a run); a DP row's round 10 DP steps a client
+  rows="baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala dpfedavg dpfinp_server_ala dpfinp_ala_b0.1 dpfinp_ala"
+  alive() { [ -f /tmp/finp_$1.pid ] && kill -0 "$(cat /tmp/finp_$1.pid)" 2>/dev/null; }
+  for row in $rows; do for seed in 0 1 2; do
+    alive "${row}_$seed" || { setsid nohup python3 -m fedfdp.experiments finp-table --dataset fmnist_cnn --rows "$row" \
+        --seeds "$seed" --out runs/finp_cnn --markdown "/tmp/finp_${row}_$seed.md" >> "/tmp/finp_${row}_$seed.log" 2>&1 \
+        < /dev/null & echo $! > "/tmp/finp_${row}_$seed.pid"; }
+  done; done
+  any_alive() { for f in /tmp/finp_*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && return 0; done; return 1; }
+  while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && any_alive; do sleep 5; done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  echo "finp_cnn: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/finp_cnn/*/seed*/summary.json 2>/dev/null | wc -l) of 30"
+  # after every run has finished, on this machine: python -m fedfdp.experiments finp-table --dataset fmnist_cnn
+  #   --rows main,dp --seeds 0 1 2 --out runs/finp_cnn  (skips the finished runs, writes the table)
+  tar -czf "$out/finp_cnn_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/finp_cnn
+  cp /tmp/finp_*.log "$out/" 2>/dev/null
   ls -la "$out"
 fi
