@@ -46,7 +46,8 @@ while :; do
     echo "$(date -u +%FT%TZ) $study: $done_now finished, continuing to $want"
     nice -n 15 python -m fedfdp.experiments tune --config "configs/fmnist_${study}.yaml" \
       --space "configs/search_spaces/ranked/fmnist_${study}.yaml" --study-dir "$dir" --study-name "$study" \
-      --trials "$want" --objective "val_accuracy+val_accuracy_worst" --val-fraction 0.1 --last 5 || true
+      --trials "$want" --objective "val_accuracy+val_accuracy_worst" --val-fraction 0.1 --last 5 \
+      --fit-args --model.eval_train_splits false || true  # the objective reads validation only: no train-split evaluation
     for f in study.db trials.txt best.yaml best.json search_space.yaml; do
       if [[ -f $dir/$f ]]; then cp "$dir/$f" "$KEEP/$study/$f"; fi
     done
