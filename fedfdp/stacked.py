@@ -31,6 +31,10 @@ sample. The peak memory of a pass is that of a private step on about ``max_batch
 engine's conv chunking bounds the per-sample buffers) plus the group's training splits; a
 client's clip rule always sees its whole batch.
 
+Several local steps (``StackedStepSpec.steps = K``, DP-FedAvg with ``local_steps = K`` and plain
+SGD) run in lockstep on accelerators: step ``k`` of every client is one pass as above, each client
+at its own model after step ``k − 1``; see :meth:`StackedRound._run_group_lockstep`.
+
 The algorithm declares the step with :meth:`fedfdp.algorithms.Algorithm.stackable_step`; the
 federation falls back to the per-client path (logged once) whenever stacking could change what
 runs: see :func:`unstackable_reason`.
@@ -46,9 +50,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.nn.utils import parameters_to_vector
 
 from fedfdp.privacy.grouped import GroupedNetwork
-from fedfdp.privacy.mechanism import tracing
+from fedfdp.privacy.mechanism import MechanismTrace, resumed, tracing
 from fedfdp.privacy.per_sample import PerSampleResult
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
@@ -124,11 +129,18 @@ def group_clients(batch_sizes: list[float], max_batch: int) -> list[range]:
 class StackedRound:
     """Runs a round's private steps stacked when :meth:`plan` allows it; logs each fallback reason once.
 
+    Several local steps (``StackedStepSpec.steps > 1``) run in lockstep on accelerators only: on this
+    project's CPU, DP-FedAvg's 10 steps on RC-DPFL's MNIST setting (21 clients, TinyCNN) took 4.4 s a
+    round in lockstep against 3.3 client by client (same model and ε), since the per-client passes
+    already fill the cores. ``lockstep_on_cpu`` (a class attribute) turns it on there (tests).
+
     Args:
         max_batch: samples per engine pass: the union of the clients' batches is split into groups
             of whole consecutive clients of at most this many expected samples (a client with more
             runs alone). None: 512 on CPU, 16384 on accelerators (in effect the whole union).
     """
+
+    lockstep_on_cpu: bool = False
 
     def __init__(self, max_batch: int | None = None) -> None:
         self.max_batch = max_batch
@@ -144,6 +156,19 @@ class StackedRound:
             if spec is None:
                 reason = (f"{type(federation.algorithm).__name__}.stackable_step returned None (several local "
                           f"steps, a custom local_update, or an algorithm without a one-step private update)")
+        if spec is not None and spec.steps > 1:
+            if spec.update_steps is None:
+                raise RuntimeError("a StackedStepSpec with steps > 1 needs update_steps")
+            if federation.device.type == "cpu" and not self.lockstep_on_cpu:
+                reason = (f"{spec.steps} local steps on the CPU: client by client is faster there (lockstep "
+                          f"steps pay where a step is launch-bound, on accelerators)")
+                spec = None
+            elif not getattr(federation.client, "_plain_sgd", False):
+                # a stateful optimizer (momentum, Adam) carries its state from one step of a client to
+                # the next; the lockstep round rebuilds the optimizer at every step, so it runs per client
+                reason = (f"{spec.steps} local steps with a stateful local optimizer "
+                          f"({type(federation.client.local_optimizer).__name__})")
+                spec = None
         if reason is not None and reason not in self._logged:
             self._logged.add(reason)
             logger.info("stacked round off, clients train one by one: %s", reason)
@@ -160,9 +185,9 @@ class StackedRound:
         starts = [federation.algorithm.client_start_params(cid, global_params, context) for cid in client_ids]
         max_batch = self.max_batch or (_CPU_MAX_BATCH if federation.device.type == "cpu" else _ACCELERATOR_MAX_BATCH)
         updates: list[ClientUpdate] = []
+        run_group = self._run_group if spec.steps == 1 else self._run_group_lockstep
         for group in group_clients(expected, max_batch):
-            updates.extend(self._run_group(federation, spec, [client_ids[k] for k in group],
-                                           [starts[k] for k in group]))
+            updates.extend(run_group(federation, spec, [client_ids[k] for k in group], [starts[k] for k in group]))
         return updates
 
     def _compute(self, federation: FederationView, starts: list[Tensor], batches: list[LocalBatch]) -> PerSampleResult:
@@ -188,6 +213,8 @@ class StackedRound:
                    starts: list[Tensor]) -> list[ClientUpdate]:
         """One engine pass at the start models over the group's batches, then each client's step and
         release in order."""
+        if spec.steps != 1:  # never one step of several: _run_group_lockstep takes them all
+            raise RuntimeError(f"_run_group takes one-step specs; this one has {spec.steps} steps")
         client = federation.client
         round_idx = federation.current_round
         data = [federation.client_data(cid) for cid in client_ids]
@@ -215,4 +242,55 @@ class StackedRound:
                 update = spec.update(client, data[k], output)
                 federation.release_client_update(data[k], update)
             updates.append(update)
+        return updates
+
+    def _run_group_lockstep(self, federation: FederationView, spec: StackedStepSpec, client_ids: list[int],
+                            starts: list[Tensor]) -> list[ClientUpdate]:
+        """``spec.steps`` lockstep steps of the group's clients, then each client's upload and release.
+
+        Step ``k`` is one engine pass over the clients' ``k``-th Poisson batches, each client at its
+        own model after step ``k - 1`` (the grouped network); then, per client in order, its own
+        clip rule, noise, divisor and optimizer step (:meth:`ClientModule.apply_private_sum`), as in
+        :meth:`_run_group`. Every client's generator gives its batches and noise in the per-client
+        order (batch 1, noise 1, batch 2, ...), its mechanism calls go to one trace for the whole
+        update, and at its last step the upload is made and released with that step's model still
+        loaded, as the per-client path does. The optimizer must be stateless (plain SGD: checked by
+        :meth:`plan`), since it is rebuilt for each step.
+        """
+        client = federation.client
+        round_idx = federation.current_round
+        data = [federation.client_data(cid) for cid in client_ids]
+        generators = [federation.generator("client", round_idx, cid) for cid in client_ids]
+        traces = [MechanismTrace(cid) for cid in client_ids]
+        models = list(starts)
+        outputs: list[list[StepOutput]] = [[] for _ in client_ids]
+        updates: list[ClientUpdate] = []
+        params = client.trainable_parameters()
+        for step in range(spec.steps):
+            batches = [spec.batch(d, g) for d, g in zip(data, generators)]
+            if any(b.clip_rule is None or b.generator is None for b in batches):
+                raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
+            offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
+            result = self._compute(federation, models, batches)
+            losses, norms = result.losses, result.norms
+            segments = list(zip(offsets, offsets[1:]))
+            factors = [b.clip_rule(losses[lo:hi], norms[lo:hi])  # type: ignore[misc]
+                       for b, (lo, hi) in zip(batches, segments)]
+            sums: list[list[Tensor] | None] = list(result.segment_weighted_sums(torch.cat(factors), offsets))
+            del result
+            last = step == spec.steps - 1
+            for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
+                clipped_sum, sums[k] = sums[k], None
+                assert clipped_sum is not None
+                with resumed(traces[k]):
+                    client.set_flat_params(models[k])
+                    with client.local_optimizer_for(client_ids[k]):
+                        outputs[k].append(client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi],
+                                                                   factors[k]))
+                    if last:  # the upload of the last step's model, released before another model is loaded
+                        update = spec.update_steps(client, data[k], outputs[k])  # type: ignore[misc]
+                        federation.release_client_update(data[k], update)
+                        updates.append(update)
+                    else:  # the model for the next step, read without marking a released state
+                        models[k] = parameters_to_vector(params).detach().clone()
         return updates

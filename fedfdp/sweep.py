@@ -179,7 +179,8 @@ def batch_refusal(federation: Federation) -> str | None:
     reason = unstackable_reason(federation)
     if reason is not None:
         return reason
-    if federation.algorithm.stackable_step(RoundContext(round=0)) is None:
+    spec = federation.algorithm.stackable_step(RoundContext(round=0))
+    if spec is None or spec.steps != 1:
         steps = getattr(federation.algorithm, "local_steps", None)
         return (f"{type(federation.algorithm).__name__} has no one-step private update to batch (several local "
                 f"steps{'' if steps is None else f': local_steps={steps}'}, its own local_update, or a non-private "

@@ -135,8 +135,15 @@ class StackedStepSpec:
             :class:`fedfdp.client.ClientModule`; plain data types import no module above them).
         sample_rate: the Poisson rate q of ``batch``; the engine passes are planned from the
             expected batch sizes ``q|D_i|`` (public), before any batch is drawn.
+        steps: private steps per client (default 1). With ``steps = K > 1`` the clients take their
+            steps in lockstep: step ``k`` of every client is one engine pass, each client from its
+            own model after step ``k - 1``; ``batch`` is called once per step with the client's same
+            generator, and ``update_steps`` makes the upload from the K step outputs.
+        update_steps: ``(client, data, step_outputs) -> ClientUpdate`` for ``steps > 1``.
     """
 
     batch: Callable[[ClientData, RandomSource], LocalBatch]
     update: Callable[[Any, ClientData, StepOutput], ClientUpdate]
     sample_rate: float
+    steps: int = 1
+    update_steps: Callable[[Any, ClientData, list[StepOutput]], ClientUpdate] | None = None

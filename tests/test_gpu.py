@@ -99,3 +99,22 @@ def test_a_sweep_on_cuda_equals_its_runs_alone(tmp_path):
         b = json.loads((tmp_path / "sweep" / f"seed{seed}" / "summary.json").read_text())
         assert (a["rounds_run"], a["epsilon"]) == (b["rounds_run"], b["epsilon"])
         assert abs(a["final"]["accuracy"] - b["final"]["accuracy"]) <= 0.02
+
+
+def test_lockstep_local_steps_on_cuda_equal_the_per_client_round():
+    """Several local steps in lockstep (on by default on accelerators): the per-client round's model
+    within float32 tolerance and the same ε, on the GPU."""
+    from fedfdp import DPFedAvg
+    from fedfdp.models import MLP
+
+    def fit(stacked: bool) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(0)
+        fed = Federation(ClientModule(MLP(in_features=64, num_classes=4, hidden=16)),
+                         DPFedAvg(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0, local_steps=3),
+                         num_rounds=3, seed=0, stacked_round=stacked)
+        accountant = RDPAccounting()
+        fit_on_gpu(fed, tiny_data(), [accountant])
+        return torch.nn.utils.parameters_to_vector(fed.global_model.parameters()).detach().cpu(), accountant.epsilon()
+
+    (a, eps_a), (b, eps_b) = fit(True), fit(False)
+    assert float((a - b).norm() / b.norm()) < 1e-5 and eps_a == eps_b

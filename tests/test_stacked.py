@@ -215,10 +215,62 @@ def test_algorithm_override_runs_per_client_and_logs_once(monkeypatch, caplog):
     assert len(messages) == 1 and "CountingDPFedAvg.stackable_step returned None" in messages[0]
 
 
-def test_several_local_steps_run_per_client(monkeypatch):
+@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+@pytest.mark.parametrize("algorithm", ["dpfedavg", "fedfdp"])
+def test_several_local_steps_in_lockstep_equal_the_per_client_round(monkeypatch, algorithm, net_kind):
+    """K = 3 local steps: step k of every client in one pass (each client at its own model after
+    step k - 1), each client's own batches, clip rule, noise and release: the same global model,
+    releases, diagnostics and ε as client by client."""
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    factory = ((lambda: DPFedAvg(**DP, local_steps=3)) if algorithm == "dpfedavg"
+               else (lambda: FedFDP(**FAIR, local_steps=3)))
     counter = CountStacked(monkeypatch)
+    lockstep = _run(factory, net_kind, stacked=True)
+    assert counter.rounds == 3
+    per_client = _run(factory, net_kind, stacked=False)
+    _assert_same_run(lockstep, per_client)
+    assert all(e.steps == 3 for *_, events, _, _ in lockstep[1].released for name, e in events if name == "model")
+
+
+def test_several_local_steps_run_per_client_on_the_cpu_by_default(monkeypatch, caplog):
+    """On the CPU client by client is faster for several steps: lockstep is off there unless asked."""
+    counter = CountStacked(monkeypatch)
+    caplog.set_level(logging.INFO, logger="fedfdp.stacked")
     run_federation(DPFedAvg(**DP, local_steps=2), [RDPAccounting()], rounds=2)
     assert counter.rounds == 0
+    messages = _fallback_messages(caplog)
+    assert len(messages) == 1 and "2 local steps on the CPU" in messages[0]
+
+
+def test_lockstep_in_several_engine_passes_equals_the_per_client_round(monkeypatch):
+    """Lockstep steps within groups of clients (several engine passes a step) change nothing."""
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    factory = lambda: DPFedAvg(**DP, local_steps=2)  # noqa: E731
+    counter = CountStacked(monkeypatch)
+    grouped = _run(factory, "mlp", stacked=True, stacked_max_batch=40)
+    assert counter.rounds == 3
+    _assert_same_run(grouped, _run(factory, "mlp", stacked=False))
+
+
+def test_several_local_steps_with_a_stateful_optimizer_run_per_client(monkeypatch, caplog):
+    """Adam carries its moments from a client's step to the next: such a round runs client by client."""
+    from lightning.pytorch import Trainer
+
+    from fedfdp import Federation
+
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    counter = CountStacked(monkeypatch)
+    caplog.set_level(logging.INFO, logger="fedfdp.stacked")
+    torch.manual_seed(0)
+    client = ClientModule(TinyConvNet(), local_optimizer=lambda params: torch.optim.Adam(params))
+    fed = Federation(client, DPFedAvg(**DP, local_steps=2), num_rounds=2, seed=0)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
+                      callbacks=[RDPAccounting()])
+    trainer.fit(fed, datamodule=tiny_data())
+    assert counter.rounds == 0
+    messages = _fallback_messages(caplog)
+    assert len(messages) == 1 and "2 local steps with a stateful local optimizer (Adam)" in messages[0]
 
 
 def test_vmap_engine_runs_per_client(monkeypatch):

@@ -98,6 +98,17 @@ def test_an_algorithm_the_engine_cannot_batch_is_refused_with_one_line(tmp_path,
     assert not any((tmp_path / "sweep").glob("seed*/summary.json"))  # nothing was fitted
 
 
+def test_several_local_steps_are_refused_not_cut_to_one(tmp_path, capsys):
+    """DP-FedAvg with K > 1 local steps stacks in lockstep in a run of its own, but the sweep's shared
+    pass is one step a round: it refuses the run rather than taking one step of K."""
+    code = experiments(["sweep", "--config", str(CONFIGS / "tiny_dpfedavg.yaml"), "--seeds", "0", "1",
+                        "--out", str(tmp_path / "sweep"), "--fit-args", "--model.algorithm.init_args.local_steps", "2"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, errors
+    assert "local_steps=2" in errors[0] and "cannot be batched" in errors[0]
+    assert not any((tmp_path / "sweep").glob("seed*/summary.json"))
+
+
 class SignalAtRound(Callback):
     """Sends this process one SIGTERM at the end of round ``at`` of the first run to get there (a
     test's stand-in for a scheduler; a second signal would stop the sweep at once)."""

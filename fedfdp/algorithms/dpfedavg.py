@@ -114,12 +114,34 @@ class DPFedAvg(Algorithm):
                             dp_events=self.planned_dp_events(data.client_id, data.size), diagnostics=stats)
 
     def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """One private step per client from its start model: stackable unless ``local_steps > 1`` or a
-        subclass (or mixin) replaces :meth:`local_update` (its own local update must then run, unless it
-        declares its own equivalent step from :meth:`one_step_spec`)."""
+        """The private steps of a client from its start model: one step (:meth:`one_step_spec`), or
+        ``local_steps`` lockstep steps (:meth:`lockstep_spec`); None when a subclass (or mixin)
+        replaces :meth:`local_update` (its own local update must then run, unless it declares its own
+        equivalent step from :meth:`one_step_spec`)."""
         if type(self).local_update is not DPFedAvg.local_update:
             return None
-        return self.one_step_spec(context)
+        if self.local_steps == 1:
+            return self.one_step_spec(context)
+        return self.lockstep_spec(context)
+
+    def lockstep_spec(self, context: RoundContext) -> StackedStepSpec:
+        """:meth:`local_update` with ``local_steps = K`` as K lockstep steps of a stacked round.
+
+        As in :meth:`local_update`, each client gets one clip rule for its K steps (made at its first
+        batch), K Poisson batches and K noise draws from its own generator, and the upload of
+        :meth:`client_update` from its K step outputs.
+        """
+        rules: dict[int, ClipRule] = {}
+
+        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
+            if data.client_id not in rules:
+                rules[data.client_id] = self.clip_rule(context)
+            return self.private_batch(data, rules[data.client_id], generator)
+
+        return StackedStepSpec(
+            batch=batch, update=lambda client, data, output: self.client_update(client, data, [output]),
+            sample_rate=self.sample_rate, steps=self.local_steps,
+            update_steps=lambda client, data, outputs: self.client_update(client, data, outputs))
 
     def one_step_spec(self, context: RoundContext) -> StackedStepSpec | None:
         """:meth:`local_update` with ``local_steps = 1`` in the two halves of a stacked round (None for

@@ -122,6 +122,17 @@ def tracing(client_id: int) -> Iterator[MechanismTrace]:
         _TRACE.reset(token)
 
 
+@contextmanager
+def resumed(trace: MechanismTrace) -> Iterator[MechanismTrace]:
+    """Reopen ``trace``: a client's local update that runs in several pieces (the steps of a
+    lockstep round, :mod:`fedfdp.stacked`) collects one trace, as one piece would."""
+    token = _TRACE.set(trace)
+    try:
+        yield trace
+    finally:
+        _TRACE.reset(token)
+
+
 def record_call(kind: str, noise_multiplier: float, sample_rate: float | None, sample: object,
                 output: float | Tensor | None = None) -> None:
     """Record one call of the mechanism in the open trace (the release functions' business alone).
