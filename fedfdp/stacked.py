@@ -209,6 +209,23 @@ class StackedRound:
         sizes = [sum(int(batches[k].y.shape[0]) for k in range(lo, hi)) for lo, hi in zip(bounds, ends)]
         return self._grouped.compute(torch.stack([starts[k] for k in bounds]), sizes, x, y)
 
+    def _clipped_sums(self, federation: FederationView, models: list[Tensor], batches: list[LocalBatch]
+                      ) -> tuple[Tensor, Tensor, list[tuple[int, int]], list[Tensor], list[list[Tensor] | None]]:
+        """One engine pass over the clients' batches at their models: the per-sample losses and norms,
+        each client's rows ``(lo, hi)``, its clip factors (its own rule on its whole batch, with its
+        diagnostics, e.g. the negative fraction) and its clipped sum ``S_k``."""
+        if any(b.clip_rule is None or b.generator is None for b in batches):
+            raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
+        offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
+        result = self._compute(federation, models, batches)
+        losses, norms = result.losses, result.norms
+        segments = list(zip(offsets, offsets[1:]))
+        factors = [b.clip_rule(losses[lo:hi], norms[lo:hi])  # type: ignore[misc]
+                   for b, (lo, hi) in zip(batches, segments)]
+        sums: list[list[Tensor] | None] = list(result.segment_weighted_sums(torch.cat(factors), offsets))
+        del result  # the per-sample buffers are not needed any more
+        return losses, norms, segments, factors, sums
+
     def _run_group(self, federation: FederationView, spec: StackedStepSpec, client_ids: list[int],
                    starts: list[Tensor]) -> list[ClientUpdate]:
         """One engine pass at the start models over the group's batches, then each client's step and
@@ -220,17 +237,7 @@ class StackedRound:
         data = [federation.client_data(cid) for cid in client_ids]
         batches = [spec.batch(d, federation.generator("client", round_idx, cid))  # each client's first draw
                    for d, cid in zip(data, client_ids)]
-        if any(b.clip_rule is None or b.generator is None for b in batches):
-            raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
-        offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
-        result = self._compute(federation, starts, batches)
-        losses, norms = result.losses, result.norms
-        segments = list(zip(offsets, offsets[1:]))
-        # each client's own clip rule on its whole batch (and its diagnostics, e.g. the negative fraction)
-        factors = [b.clip_rule(losses[lo:hi], norms[lo:hi])  # type: ignore[misc]
-                   for b, (lo, hi) in zip(batches, segments)]
-        sums: list[list[Tensor] | None] = list(result.segment_weighted_sums(torch.cat(factors), offsets))
-        del result  # the per-sample buffers are not needed any more
+        losses, norms, segments, factors, sums = self._clipped_sums(federation, starts, batches)
         updates = []
         for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
             clipped_sum, sums[k] = sums[k], None
@@ -268,16 +275,7 @@ class StackedRound:
         params = client.trainable_parameters()
         for step in range(spec.steps):
             batches = [spec.batch(d, g) for d, g in zip(data, generators)]
-            if any(b.clip_rule is None or b.generator is None for b in batches):
-                raise RuntimeError("StackedStepSpec.batch must return private batches (a clip rule and a generator)")
-            offsets = list(accumulate((int(b.y.shape[0]) for b in batches), initial=0))
-            result = self._compute(federation, models, batches)
-            losses, norms = result.losses, result.norms
-            segments = list(zip(offsets, offsets[1:]))
-            factors = [b.clip_rule(losses[lo:hi], norms[lo:hi])  # type: ignore[misc]
-                       for b, (lo, hi) in zip(batches, segments)]
-            sums: list[list[Tensor] | None] = list(result.segment_weighted_sums(torch.cat(factors), offsets))
-            del result
+            losses, norms, segments, factors, sums = self._clipped_sums(federation, models, batches)
             last = step == spec.steps - 1
             for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
                 clipped_sum, sums[k] = sums[k], None
