@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Continue the ranked 10-client ScatterNet studies (docs/results.md, "Rankings"): 64 finished trials
-# each, TPE past its 10 random start-up trials, validation only (test never read).
+# Continue the ranked 10-client ScatterNet studies (docs/results.md, "Rankings"): 64 scored trials
+# each (a failed trial, an infeasible point of the space, does not count), TPE past its 10 random start-up trials, validation only (test never read).
 #
 #   bash docs/complete_runs/tuning/ranked/continue.sh            # all four studies, 4 trials a turn
 #   STUDIES="local_dp_scatter" STEP=2 bash docs/complete_runs/tuning/ranked/continue.sh
@@ -19,16 +19,17 @@ TARGET=${TARGET:-64}
 STUDIES=${STUDIES:-"local_dp_scatter dpfedavg_finetune_scatter dpfedavg_prior_scatter dpfedavg_scatter"}
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=disabled
 
-finished() {  # finished (complete or failed) trials in a study.db, 0 without one
+finished() {  # "COMPLETE ENDED": scored trials, and scored plus failed ones (0 0 without a study.db)
   python - "$1" <<'PY'
 import sqlite3, sys
 from pathlib import Path
 db = Path(sys.argv[1])
 if not db.exists():
-    print(0)
+    print(0, 0)
 else:
     con = sqlite3.connect(db)
-    print(con.execute("select count(*) from trials where state in ('COMPLETE', 'FAIL')").fetchone()[0])
+    count = lambda states: con.execute(f"select count(*) from trials where state in ({states})").fetchone()[0]
+    print(count("'COMPLETE'"), count("'COMPLETE', 'FAIL'"))
 PY
 }
 
@@ -40,10 +41,11 @@ while :; do
     if [[ ! -f $dir/study.db && -f $KEEP/$study/study.db ]]; then
       cp "$KEEP/$study/study.db" "$dir/study.db"
     fi
-    done_now=$(finished "$dir/study.db")
-    (( done_now >= TARGET )) && continue
-    want=$(( done_now + STEP < TARGET ? done_now + STEP : TARGET ))
-    echo "$(date -u +%FT%TZ) $study: $done_now finished, continuing to $want"
+    read -r complete ended < <(finished "$dir/study.db")
+    (( complete >= TARGET )) && continue  # TARGET scored trials: a failed one (an infeasible point) is not one
+    more=$(( TARGET - complete < STEP ? TARGET - complete : STEP ))
+    want=$(( ended + more ))  # tune's --trials counts the failed trials too
+    echo "$(date -u +%FT%TZ) $study: $complete scored ($ended ended), continuing to $want ended"
     nice -n 15 python -m fedfdp.experiments tune --config "configs/fmnist_${study}.yaml" \
       --space "configs/search_spaces/ranked/fmnist_${study}.yaml" --study-dir "$dir" --study-name "$study" \
       --trials "$want" --objective "val_accuracy+val_accuracy_worst" --val-fraction 0.1 --last 5 \
@@ -51,7 +53,8 @@ while :; do
     for f in study.db trials.txt best.yaml best.json search_space.yaml; do
       if [[ -f $dir/$f ]]; then cp "$dir/$f" "$KEEP/$study/$f"; fi
     done
-    if (( $(finished "$dir/study.db") > done_now )); then
+    read -r _ ended_now < <(finished "$dir/study.db")
+    if (( ended_now > ended )); then
       progressed=1
     else  # no trial ended: a broken setup, not a reason to loop; the other studies go on
       echo "$(date -u +%FT%TZ) $study: no trial ended in this turn; left out (see $dir/trial*/fit.log)" >&2
@@ -60,4 +63,4 @@ while :; do
   done
   (( progressed )) || break
 done
-echo "$(date -u +%FT%TZ) done: every study left holds $TARGET finished trials${STUDIES:+ ($STUDIES)}"
+echo "$(date -u +%FT%TZ) done: every study left holds $TARGET scored trials${STUDIES:+ ($STUDIES)}"
