@@ -158,3 +158,20 @@ def test_majority_label_baseline_reads_the_datamodules_split():
         correct, total = correct + int((y == label).sum()), total + y.numel()
     assert b["pooled"] == pytest.approx(correct / total)
     assert majority_label_baseline(dm, "val")["majority_labels"] == b["majority_labels"]
+
+
+@pytest.mark.slow
+def test_majority_label_of_a_features_config_is_that_of_its_split(tmp_path):
+    """A config with a feature front end (ScatterNet) gives the majority baseline of its split: the
+    features are left out (labels only), so the scatter rows' table needs no feature extraction."""
+    import yaml
+
+    from fedfdp.experiments.baselines import datamodule_from_config
+    from tests.conftest import REPO
+
+    scatter = REPO / "configs" / "fmnist_local_dp_scatter.yaml"
+    plain = yaml.safe_load(scatter.read_text())
+    del plain["data"]["init_args"]["features"]
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(plain))
+    with_features = majority_label_baseline(datamodule_from_config(scatter, labels_only=True))
+    assert with_features == majority_label_baseline(datamodule_from_config(tmp_path / "plain.yaml"))

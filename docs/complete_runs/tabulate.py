@@ -88,7 +88,7 @@ def majority_row(config: Path) -> dict[str, float]:
     """The majority-label baseline of ``config``'s data split, in :func:`row`'s accuracy columns."""
     from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
 
-    b = majority_label_baseline(datamodule_from_config(config))
+    b = majority_label_baseline(datamodule_from_config(config, labels_only=True))
     return {"pooled": 100 * b["pooled"], "worst": 100 * b["worst"], "worst10": 100 * b["worst10"],
             "pooled5": 100 * b["pooled"], "worst5": 100 * b["worst"], "worst10_5": 100 * b["worst10"],
             "jain": b["jain"]}

@@ -29,18 +29,23 @@ if TYPE_CHECKING:
 __all__ = ["datamodule_from_config", "majority_label_accuracy", "majority_label_baseline"]
 
 
-def datamodule_from_config(path: str | Path) -> FederatedDataModule:
+def datamodule_from_config(path: str | Path, *, labels_only: bool = False) -> FederatedDataModule:
     """The ``data`` section of a config (or of a run's ``config.yaml``), instantiated and set up.
 
     ``data_dir`` is resolved as by a run (:mod:`datamodules.paths`), so the configs'
-    ``../shared/data`` works from any working directory.
+    ``../shared/data`` works from any working directory. ``labels_only``: leave out the data's
+    ``features`` (a fixed front end on the images, e.g. ScatterNet): the split and the labels do not
+    depend on it, and a label-only baseline (:func:`majority_label_baseline`) need not extract it.
     """
     config = yaml.safe_load(Path(path).read_text()) or {}
     data = config.get("data")
     if not isinstance(data, dict) or "class_path" not in data:
         raise ConfigError(f"{path} has no data section with a class_path")
     module, _, name = str(data["class_path"]).rpartition(".")
-    datamodule = getattr(importlib.import_module(module), name)(**(data.get("init_args") or {}))
+    init_args = dict(data.get("init_args") or {})
+    if labels_only:
+        init_args.pop("features", None)
+    datamodule = getattr(importlib.import_module(module), name)(**init_args)
     datamodule.setup("fit")
     return datamodule
 
