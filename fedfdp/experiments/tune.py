@@ -98,7 +98,7 @@ from fedfdp.experiments.search_space import (
     load_space, sample_overrides,
 )
 from fedfdp.experiments.trials import (
-    Settings, fit_command, objective_value, parse_objective, run_trial, run_trials_together,
+    Settings, fit_command, objective_value, parse_objective, run_trial, run_trials_together, write_trials,
 )
 
 __all__ = ["TuneError", "objective_value", "parse_objective", "register", "run"]
@@ -260,48 +260,6 @@ def write_best(settings: Settings, study: Any) -> dict[str, Any] | None:
     return info
 
 
-def _fmt_value(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def write_trials(settings: Settings, study: Any) -> Path:
-    """``<study-dir>/trials.txt``: one line per ended trial (trial order), the study's plain-text record.
-
-    Each line: the trial number, its state, the objective, each objective term alone (validation,
-    mean of the same last evaluations, averaged over the trial's seeds), the rounds run, the ε
-    spent and the sampled values. Rewritten after every trial, so it always matches ``study.db``.
-    """
-    from optuna.trial import TrialState
-
-    lines = [f"# study {settings.study_name}: objective {settings.objective} (mean of the last {settings.last} "
-             f"evaluations, validation split {settings.val_fraction}; test data never read); base config "
-             f"{settings.config}"]
-    for t in sorted(study.trials, key=lambda t: t.number):
-        if t.state not in (TrialState.COMPLETE, TrialState.FAIL):
-            continue
-        attrs = t.user_attrs
-        parts = [f"trial{t.number}", t.state.name]
-        if t.state == TrialState.COMPLETE:
-            parts.append(f"value {t.value:.4f}")
-            for _, name in settings.terms:
-                values = attrs.get(name) or []
-                if values:
-                    parts.append(f"{name} {100 * sum(values) / len(values):.2f}")
-        rounds = [r for r in attrs.get("rounds_run") or [] if r is not None]
-        if rounds:
-            parts.append(f"rounds {'/'.join(str(r) for r in rounds)}")
-        eps = attrs.get("epsilon") or []
-        if eps:
-            parts.append(f"eps {max(eps):.3f}")
-        if t.state == TrialState.FAIL and attrs.get("error"):
-            parts.append(f"error {str(attrs['error'])[:120]}")
-        params = ", ".join(f"{k.rsplit('.', 1)[-1]}={_fmt_value(v)}" for k, v in t.params.items())
-        lines.append(" ".join(parts) + (f" | {params}" if params else ""))
-    path = settings.study_dir / "trials.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def run(args: argparse.Namespace) -> int:
     """Run (or continue) the study until it holds ``--trials`` finished trials; write the best config."""
     try:
@@ -356,7 +314,7 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
         else:
             study.tell(number, value)
             logger.info("trial %d: %s = %.6g", number, settings.objective, value)
-        write_trials(settings, study)
+        write_trials(settings, study)  # trials.txt, the study's plain-text record
 
     # interrupted trials first, in their own run directories, with their own values
     queue: list[tuple[optuna.trial.Trial, dict[str, Any]]] = []
