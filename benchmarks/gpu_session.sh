@@ -12,8 +12,11 @@
 #   bash benchmarks/gpu_session.sh finp_cnn S  # FinP's CNN with Adam (finp-table --dataset fmnist_cnn), main and
 #                                            # DP rows x seeds 0 1 2: one detached finp-table per (row, seed)
 #                                            # side by side, as table4; at most S seconds, then the runs to $OUT
+#   bash benchmarks/gpu_session.sh rcdpfl_paper S  # RC-DPFL at the paper's setting (rcdpfl-table --dataset
+#                                            # mnist_paper): 6 methods x seeds 0 1 2, one detached rcdpfl-table
+#                                            # per (method, seed), local epochs in lockstep; as finp_cnn
 set -u
-step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS}
+step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS|rcdpfl_paper SECONDS}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 exec > >(tee -a "$out/$step.log") 2>&1
@@ -21,7 +24,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled PYTHONUNBUFFERED=1
 export FEDFDP_DATA_DIR=$PWD/.gpu/data
-if [ "$step" = table4 ] || [ "$step" = finp_cnn ]; then
+if [ "$step" = table4 ] || [ "$step" = finp_cnn ] || [ "$step" = rcdpfl_paper ]; then
   # 16 processes share the GPU: one thread each (16 cores), and each process's caching allocator capped
   # (the third lease lost a run to out-of-memory when 15 processes each cached 4-14 GB)
   export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True FEDFDP_CUDA_MEMORY_FRACTION=0.055
@@ -49,6 +52,15 @@ if [ "$step" = check ]; then
       --model.eval_every 100 --model.stacked_round $st --trainer.accelerator gpu --run_dir /tmp/lockstep_$st \
       --wandb disabled --trainer.enable_progress_bar false > /tmp/lockstep_$st.log 2>&1
     python3 -c "import json; s = json.load(open('/tmp/lockstep_$st/summary.json')); print('stacked_round $st:', round(s['seconds_per_round'], 4), 's/round, eps', s['epsilon'], 'acc', s['final']['accuracy'])"
+  done
+  # RC-DPFL at the paper's setting: 21 clients x 71 DP steps of RCDPFLCNN a round (the clustered family's
+  # local epochs in lockstep against client by client; CPU: about 24 s a round client by client)
+  for st in true false; do
+    timeout 150 python3 -m fedfdp.fit --config configs/rcdpfl/mnist_paper_rcdpfl.yaml --model.num_rounds 4 \
+      --model.eval_every 100 --model.stacked_round $st --trainer.accelerator gpu --run_dir /tmp/rcdpfl_lockstep_$st \
+      --wandb disabled --trainer.enable_progress_bar false > /tmp/rcdpfl_lockstep_$st.log 2>&1
+    python3 -c "import json; s = json.load(open('/tmp/rcdpfl_lockstep_$st/summary.json')); print('RC-DPFL paper, stacked_round $st:', round(s['seconds_per_round'], 4), 's/round, eps', s['epsilon'])" \
+      || tail -5 /tmp/rcdpfl_lockstep_$st.log
   done
   echo "total: $(( $(date +%s) - start )) s"
 elif [ "$step" = studies ]; then
@@ -105,5 +117,26 @@ if [ "$step" = finp_cnn ]; then
   #   --rows main,dp --seeds 0 1 2 --out runs/finp_cnn  (skips the finished runs, writes the table)
   tar -czf "$out/finp_cnn_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/finp_cnn
   cp /tmp/finp_*.log "$out/" 2>/dev/null
+  ls -la "$out"
+fi
+if [ "$step" = rcdpfl_paper ]; then
+  wait_s=${2:?usage: gpu_session.sh rcdpfl_paper SECONDS}
+  # 18 runs of 200 rounds; a round is 21 clients x 71 DP steps at b = 32 (the first one full batch),
+  # run as 71 lockstep engine passes over the 21 clients on the GPU (about 24 s a round per client on the CPU)
+  alive() { [ -f /tmp/rcdpfl_$1.pid ] && kill -0 "$(cat /tmp/rcdpfl_$1.pid)" 2>/dev/null; }
+  for method in dpfedavg ifca kmcdpfl rcdpfl oracle local; do for seed in 0 1 2; do
+    alive "${method}_$seed" || { setsid nohup python3 -m fedfdp.experiments rcdpfl-table --dataset mnist_paper \
+        --methods "$method" --seeds "$seed" --nice 0 --out runs/rcdpfl_paper \
+        --override=--trainer.accelerator=gpu >> "/tmp/rcdpfl_${method}_$seed.log" 2>&1 < /dev/null &
+      echo $! > "/tmp/rcdpfl_${method}_$seed.pid"; }
+  done; done
+  any_alive() { for f in /tmp/rcdpfl_*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && return 0; done; return 1; }
+  while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && any_alive; do sleep 5; done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  echo "rcdpfl_paper: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/rcdpfl_paper/runs/*/summary.json 2>/dev/null | wc -l) of 18"
+  # after every run has finished, on this machine: python -m fedfdp.experiments rcdpfl-table --dataset mnist_paper
+  #   --methods dpfedavg ifca kmcdpfl rcdpfl oracle local --seeds 0 1 2 --out runs/rcdpfl_paper (skips them, writes the table)
+  tar -czf "$out/rcdpfl_paper_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/rcdpfl_paper
+  cp /tmp/rcdpfl_*.log "$out/" 2>/dev/null
   ls -la "$out"
 fi

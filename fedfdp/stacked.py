@@ -32,8 +32,9 @@ engine's conv chunking bounds the per-sample buffers) plus the group's training 
 client's clip rule always sees its whole batch.
 
 Several local steps (``StackedStepSpec.steps = K``, DP-FedAvg with ``local_steps = K`` and plain
-SGD) run in lockstep on accelerators: step ``k`` of every client is one pass as above, each client
-at its own model after step ``k − 1``; see :meth:`StackedRound._run_group_lockstep`.
+SGD; or each client's own count, the clustered family's ``K·⌊N_i/b⌋`` after its cluster selection)
+run in lockstep on accelerators: step ``k`` of every client with more than ``k`` steps is one pass
+as above, each client at its own model after step ``k − 1``; see :meth:`StackedRound._run_group_lockstep`.
 
 The algorithm declares the step with :meth:`fedfdp.algorithms.Algorithm.stackable_step`; the
 federation falls back to the per-client path (logged once) whenever stacking could change what
@@ -154,19 +155,21 @@ class StackedRound:
         if reason is None:
             spec = federation.algorithm.stackable_step(context)
             if spec is None:
-                reason = (f"{type(federation.algorithm).__name__}.stackable_step returned None (several local "
-                          f"steps, a custom local_update, or an algorithm without a one-step private update)")
-        if spec is not None and spec.steps > 1:
+                reason = (f"{type(federation.algorithm).__name__}.stackable_step returned None (a custom "
+                          f"local_update, a round it runs per client such as a full-batch round, or an algorithm "
+                          f"without a private step)")
+        if spec is not None and spec.lockstep:
             if spec.update_steps is None:
-                raise RuntimeError("a StackedStepSpec with steps > 1 needs update_steps")
+                raise RuntimeError("a lockstep StackedStepSpec (steps > 1, client_steps or start) needs update_steps")
+            steps = "per-client" if spec.client_steps is not None else str(spec.steps)
             if federation.device.type == "cpu" and not self.lockstep_on_cpu:
-                reason = (f"{spec.steps} local steps on the CPU: client by client is faster there (lockstep "
+                reason = (f"{steps} local steps on the CPU: client by client is faster there (lockstep "
                           f"steps pay where a step is launch-bound, on accelerators)")
                 spec = None
             elif not getattr(federation.client, "_plain_sgd", False):
                 # a stateful optimizer (momentum, Adam) carries its state from one step of a client to
                 # the next; the lockstep round rebuilds the optimizer at every step, so it runs per client
-                reason = (f"{spec.steps} local steps with a stateful local optimizer "
+                reason = (f"{steps} local steps with a stateful local optimizer "
                           f"({type(federation.client.local_optimizer).__name__})")
                 spec = None
         if reason is not None and reason not in self._logged:
@@ -178,14 +181,15 @@ class StackedRound:
             global_params: Tensor, context: RoundContext) -> list[ClientUpdate]:
         """The round's uploads of ``client_ids`` (in that order), each released through the callbacks.
 
-        Each client starts from ``algorithm.client_start_params`` (``w_t`` by default).
+        Each client starts from ``algorithm.client_start_params`` (``w_t`` by default), or from what
+        the spec's ``start`` returns.
         """
         sizes = federation.datamodule.train_sizes
-        expected = [spec.sample_rate * int(sizes[cid]) for cid in client_ids]
+        expected = [spec.expected_batch_size(int(sizes[cid])) for cid in client_ids]
         starts = [federation.algorithm.client_start_params(cid, global_params, context) for cid in client_ids]
         max_batch = self.max_batch or (_CPU_MAX_BATCH if federation.device.type == "cpu" else _ACCELERATOR_MAX_BATCH)
         updates: list[ClientUpdate] = []
-        run_group = self._run_group if spec.steps == 1 else self._run_group_lockstep
+        run_group = self._run_group_lockstep if spec.lockstep else self._run_group
         for group in group_clients(expected, max_batch):
             updates.extend(run_group(federation, spec, [client_ids[k] for k in group], [starts[k] for k in group]))
         return updates
@@ -230,8 +234,8 @@ class StackedRound:
                    starts: list[Tensor]) -> list[ClientUpdate]:
         """One engine pass at the start models over the group's batches, then each client's step and
         release in order."""
-        if spec.steps != 1:  # never one step of several: _run_group_lockstep takes them all
-            raise RuntimeError(f"_run_group takes one-step specs; this one has {spec.steps} steps")
+        if spec.lockstep:  # never one step of several: _run_group_lockstep takes them all
+            raise RuntimeError(f"_run_group takes one-step specs; this one is a lockstep spec ({spec.steps} steps)")
         client = federation.client
         round_idx = federation.current_round
         data = [federation.client_data(cid) for cid in client_ids]
@@ -253,16 +257,21 @@ class StackedRound:
 
     def _run_group_lockstep(self, federation: FederationView, spec: StackedStepSpec, client_ids: list[int],
                             starts: list[Tensor]) -> list[ClientUpdate]:
-        """``spec.steps`` lockstep steps of the group's clients, then each client's upload and release.
+        """Each client's ``K_i = spec.steps_of(data)`` steps in lockstep, then its upload and release in order.
 
-        Step ``k`` is one engine pass over the clients' ``k``-th Poisson batches, each client at its
-        own model after step ``k - 1`` (the grouped network); then, per client in order, its own
-        clip rule, noise, divisor and optimizer step (:meth:`ClientModule.apply_private_sum`), as in
-        :meth:`_run_group`. Every client's generator gives its batches and noise in the per-client
-        order (batch 1, noise 1, batch 2, ...), its mechanism calls go to one trace for the whole
-        update, and at its last step the upload is made and released with that step's model still
-        loaded, as the per-client path does. The optimizer must be stateless (plain SGD: checked by
-        :meth:`plan`), since it is rebuilt for each step.
+        First, per client in order, the spec's ``start`` half if it has one (e.g. a cluster
+        selection: its draws come first from the client's generator, its release goes into the
+        client's trace), which gives the client's start model. Step ``k`` is then one engine pass
+        over the ``k``-th Poisson batches of the clients with ``K_i > k``, each client at its own
+        model after step ``k - 1`` (the grouped network); per client in order, its own clip rule,
+        noise, divisor and optimizer step (:meth:`ClientModule.apply_private_sum`), as in
+        :meth:`_run_group`. Every client's generator gives its draws in the per-client order
+        (start, batch 1, noise 1, batch 2, ...) and its mechanism calls go to one trace for the whole
+        update; right after its last step its model is read as the released state. At the end, per
+        client in order, that model is loaded and the upload made from its step outputs and released
+        (an upload equal to the released state), as the per-client path does after its last step. The
+        optimizer must be stateless (plain SGD: checked by :meth:`plan`), since it is rebuilt for
+        each step.
         """
         client = federation.client
         round_idx = federation.current_round
@@ -270,25 +279,35 @@ class StackedRound:
         generators = [federation.generator("client", round_idx, cid) for cid in client_ids]
         traces = [MechanismTrace(cid) for cid in client_ids]
         models = list(starts)
+        if spec.start is not None:
+            for k, cid in enumerate(client_ids):
+                with resumed(traces[k]):
+                    models[k] = spec.start(client, data[k], generators[k])
+        counts = [spec.steps_of(d) for d in data]
         outputs: list[list[StepOutput]] = [[] for _ in client_ids]
-        updates: list[ClientUpdate] = []
         params = client.trainable_parameters()
-        for step in range(spec.steps):
-            batches = [spec.batch(d, g) for d, g in zip(data, generators)]
-            losses, norms, segments, factors, sums = self._clipped_sums(federation, models, batches)
-            last = step == spec.steps - 1
-            for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
-                clipped_sum, sums[k] = sums[k], None
+        for step in range(max(counts, default=0)):
+            active = [k for k, count in enumerate(counts) if count > step]
+            batches = [spec.batch(data[k], generators[k]) for k in active]
+            losses, norms, segments, factors, sums = self._clipped_sums(federation, [models[k] for k in active],
+                                                                        batches)
+            for j, (k, batch, (lo, hi)) in enumerate(zip(active, batches, segments)):
+                clipped_sum, sums[j] = sums[j], None
                 assert clipped_sum is not None
                 with resumed(traces[k]):
                     client.set_flat_params(models[k])
                     with client.local_optimizer_for(client_ids[k]):
                         outputs[k].append(client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi],
-                                                                   factors[k]))
-                    if last:  # the upload of the last step's model, released before another model is loaded
-                        update = spec.update_steps(client, data[k], outputs[k])  # type: ignore[misc]
-                        federation.release_client_update(data[k], update)
-                        updates.append(update)
-                    else:  # the model for the next step, read without marking a released state
-                        models[k] = parameters_to_vector(params).detach().clone()
+                                                                   factors[j]))
+                    # after the last step: the released model state, read (and stamped in the client's
+                    # trace) before any other model is loaded; before it, the next step's model
+                    models[k] = (client.get_flat_params() if step == counts[k] - 1
+                                 else parameters_to_vector(params).detach().clone())
+        updates: list[ClientUpdate] = []
+        for k, cid in enumerate(client_ids):  # uploads and releases in client order, each with its model loaded
+            with resumed(traces[k]):
+                client.set_flat_params(models[k])
+                update = spec.update_steps(client, data[k], outputs[k])  # type: ignore[misc]
+                federation.release_client_update(data[k], update)
+            updates.append(update)
         return updates

@@ -139,7 +139,18 @@ class StackedStepSpec:
             steps in lockstep: step ``k`` of every client is one engine pass, each client from its
             own model after step ``k - 1``; ``batch`` is called once per step with the client's same
             generator, and ``update_steps`` makes the upload from the K step outputs.
-        update_steps: ``(client, data, step_outputs) -> ClientUpdate`` for ``steps > 1``.
+        update_steps: ``(client, data, step_outputs) -> ClientUpdate`` for a lockstep spec (``steps
+            > 1``, ``client_steps`` or ``start``); a client's outputs may be fewer than ``steps``.
+        client_steps: ``data -> K_i``, each client's own step count (``steps`` is then their
+            maximum): clients with fewer steps leave the lockstep passes after their last one,
+            e.g. K epochs of ``⌊N_i/b⌋`` steps (:class:`~fedfdp.algorithms.clustered.ClusteredDPFL`).
+        start: ``(client, data, generator) -> start model``: what a client does before its first
+            step, with its own generator and inside its release's trace (e.g. a cluster selection:
+            its evaluations and its charged draw), returning the flat model it steps from; run
+            for every client in client order before any batch is drawn. None: the algorithm's
+            ``client_start_params``.
+        expected_batch: ``N_i -> expected batch size`` of a client with ``N_i`` records, for the
+            planning of the engine passes (default ``q·N_i`` with q = ``sample_rate``).
     """
 
     batch: Callable[[ClientData, RandomSource], LocalBatch]
@@ -147,3 +158,19 @@ class StackedStepSpec:
     sample_rate: float
     steps: int = 1
     update_steps: Callable[[Any, ClientData, list[StepOutput]], ClientUpdate] | None = None
+    client_steps: Callable[[ClientData], int] | None = None
+    start: Callable[[Any, ClientData, RandomSource], Tensor] | None = None
+    expected_batch: Callable[[int], float] | None = None
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the round runs as lockstep steps (several steps, per-client counts or a start half)."""
+        return self.steps > 1 or self.client_steps is not None or self.start is not None
+
+    def steps_of(self, data: ClientData) -> int:
+        """Client ``data.client_id``'s step count: ``client_steps(data)``, else ``steps``."""
+        return self.steps if self.client_steps is None else int(self.client_steps(data))
+
+    def expected_batch_size(self, num_records: int) -> float:
+        """The expected Poisson batch of a client with ``num_records`` records (planning only)."""
+        return self.sample_rate * num_records if self.expected_batch is None else float(self.expected_batch(num_records))

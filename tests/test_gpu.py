@@ -118,3 +118,22 @@ def test_lockstep_local_steps_on_cuda_equal_the_per_client_round():
 
     (a, eps_a), (b, eps_b) = fit(True), fit(False)
     assert float((a - b).norm() / b.norm()) < 1e-5 and eps_a == eps_b
+
+
+def test_clustered_lockstep_on_cuda_equals_the_per_client_round():
+    """IFCA with private selection: each client's selection and its ⌊N_i/b⌋ steps in lockstep on the
+    GPU give the per-client round's cluster models (float32 tolerance), assignments and ε."""
+    def fit(stacked: bool) -> tuple[torch.Tensor, list[int], float]:
+        torch.manual_seed(0)
+        fed = Federation(ClientModule(TinyCNN(channels=4)),
+                         IFCA(num_clusters=2, lr=0.2, batch_size=8, max_grad_norm=1.0, noise_multiplier=1.0,
+                              selection="private", selection_epsilon=1.0),
+                         num_rounds=3, seed=0, eval_every=3, eval_train_splits=False, stacked_round=stacked)
+        accountant = RDPAccounting(delta=1e-4)
+        fit_on_gpu(fed, ClusteredDigitsDataModule(cluster_sizes=(2, 3), train_per_client=40, test_per_client=10),
+                   [accountant])
+        return fed.algorithm.cluster_models.cpu(), fed.algorithm.assignment.tolist(), accountant.epsilon()
+
+    (a, assign_a, eps_a), (b, assign_b, eps_b) = fit(True), fit(False)
+    assert assign_a == assign_b and eps_a == eps_b
+    assert float((a - b).norm() / b.norm()) < 1e-5

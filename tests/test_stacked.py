@@ -315,3 +315,53 @@ def test_segment_offsets_are_checked():
         result.segment_weighted_sums(torch.ones(4), [0, 3, 2, 4])
     with pytest.raises(ValueError, match="offsets"):
         result.segment_weighted_sums(torch.ones(4), [0, 5])
+
+
+def _fit_clustered(algorithm, stacked: bool, rounds: int = 4):
+    from lightning.pytorch import Trainer
+
+    from fedfdp import Federation
+
+    uploads, accountant = Uploads(), RDPAccounting(delta=1e-4)
+    fed = Federation(ClientModule(_net("conv")), algorithm, num_rounds=rounds, seed=0, eval_every=rounds,
+                     eval_train_splits=False, stacked_round=stacked)
+    Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, max_epochs=-1, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[accountant, uploads]).fit(fed, datamodule=tiny_data(num_clients=5, num_samples=400))
+    return fed, uploads, accountant
+
+
+CLUSTERED = dict(num_clusters=2, lr=0.2, max_grad_norm=1.0, noise_multiplier=1.0, selection_epsilon=1.0)
+NO_SELECTION = {k: v for k, v in CLUSTERED.items() if k != "selection_epsilon"}
+
+
+@pytest.mark.parametrize(("name", "batch_size"), [("rcdpfl", 8), ("ifca", 8), ("kmcdpfl", 8), ("local", 8),
+                                                  ("ifca", 30)])
+def test_clustered_local_epochs_in_lockstep_equal_the_per_client_round(monkeypatch, name, batch_size):
+    """The clustered family (RC-DPFL, IFCA, KM-CDPFL, local DP-SGD): each client's private cluster
+    selection first (its evaluations and charged draw), then its own ⌊N_i/b⌋ steps (clients of
+    different sizes leave the lockstep passes at different steps; with b = 30 the 21-record client
+    samples at q = min(1, b/N_i) = 1), in lockstep: the same cluster models, assignments, releases, diagnostics and ε as client
+    by client (RC-DPFL's full-batch first round runs per client)."""
+    from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL, LocalDPSGD
+    from fedfdp.privacy.schedule import steps_per_epoch
+
+    make = {"rcdpfl": lambda: RCDPFL(**CLUSTERED, batch_size=batch_size, selection="private", cluster_rounds=1),
+            "ifca": lambda: IFCA(**CLUSTERED, batch_size=batch_size, selection="private"),
+            "kmcdpfl": lambda: KMCDPFL(**NO_SELECTION, batch_size=batch_size),
+            "local": lambda: LocalDPSGD(**NO_SELECTION, batch_size=batch_size)}[name]
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    counter = CountStacked(monkeypatch)
+    fed_s, up_s, acc_s = _fit_clustered(make(), stacked=True)
+    assert counter.rounds == (3 if name == "rcdpfl" else 4)
+    fed_p, up_p, acc_p = _fit_clustered(make(), stacked=False)
+    assert counter.rounds == (3 if name == "rcdpfl" else 4)
+    steps = {steps_per_epoch(int(n), batch_size) for n in fed_s.datamodule.train_sizes}
+    assert len(steps) > 1  # the clients' step counts differ
+    assert [(r, c, e) for r, c, e, _, _ in up_s.released] == [(r, c, e) for r, c, e, _, _ in up_p.released]
+    assert acc_s.epsilon() == acc_p.epsilon()
+    alg_s, alg_p = fed_s.algorithm, fed_p.algorithm
+    assert alg_s.assignment.tolist() == alg_p.assignment.tolist()
+    assert torch.allclose(alg_s.cluster_models, alg_p.cluster_models, rtol=1e-5, atol=1e-6)
+    for (*_, diag_s), (*_, diag_p) in zip(up_s.released, up_p.released):
+        assert math.isclose(diag_s["train_loss"], diag_p["train_loss"], rel_tol=1e-5, abs_tol=1e-6)

@@ -47,7 +47,7 @@ from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_even
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask, select_rows
 from fedfdp.privacy.uploads import POST_PROCESSING
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
@@ -108,6 +108,7 @@ class ClusteredDPFL(Algorithm):
         self.cluster_models = torch.zeros(0)
         self.assignment = np.zeros(0, dtype=np.int64)
         self.client_noise_multipliers = np.zeros(0)  # z_i, resolved in setup (noise_multiplier or calibrated)
+        self.client_sizes: list[int] = []  # N_i, set in setup
         self.planned_epsilon: float | None = None
         self.seed, self.num_rounds = 0, 0
         self._round: int | None = None
@@ -137,6 +138,7 @@ class ClusteredDPFL(Algorithm):
             if self.selection_rounds is None:
                 self.selection_rounds = max(1, self.num_rounds // 10)
         sizes = [int(s) for s in federation.datamodule.train_sizes]
+        self.client_sizes = sizes
         if self.noise_multiplier is None:
             require(target is not None, "algorithm.target_epsilon (or RDPAccounting.target_epsilon) must be set "
                                         "when algorithm.noise_multiplier is null")
@@ -297,6 +299,42 @@ class ClusteredDPFL(Algorithm):
         full = self.is_full_batch(context.round)
         steps = self.local_epochs * (1 if full else steps_per_epoch(data.size, self.batch_size))
         losses = [client.training_step(self.private_batch(data, full, generator)).loss for _ in range(steps)]
+        return self._upload(client, data, context, cluster, losses)
+
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """:meth:`local_update` of a normal round as lockstep steps of a stacked round (accelerators).
+
+        Per client, as in :meth:`local_update`: the cluster selection first (its evaluations and
+        charged draw from the client's generator; the start model is the chosen cluster's), then
+        its own ``K·⌊N_i/b⌋`` steps on :meth:`private_batch`, then the upload with the cluster
+        index and the round's DP events. None in a full-batch round (its chunked accumulation runs
+        per client) and when a subclass replaces :meth:`local_update`.
+        """
+        if type(self).local_update is not ClusteredDPFL.local_update or self.is_full_batch(context.round):
+            return None
+        clusters: dict[int, int] = {}
+
+        def start(client: ClientModule, data: ClientData, generator: torch.Generator) -> Tensor:
+            cluster = int(self.assignment[data.client_id])
+            if self.selects(context.round):
+                cluster = self._select(client, data, generator)
+            clusters[data.client_id] = cluster
+            return self.cluster_models[cluster]
+
+        def update(client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
+            return self._upload(client, data, context, clusters[data.client_id], [o.loss for o in outputs])
+
+        return StackedStepSpec(
+            batch=lambda data, generator: self.private_batch(data, False, generator),
+            update=lambda client, data, output: update(client, data, [output]),
+            sample_rate=min(1.0, self.batch_size / max(1, min(self.client_sizes, default=1))),  # the largest q_i
+            steps=1,
+            update_steps=update, start=start, expected_batch=lambda n: min(1.0, self.batch_size / n) * n,
+            client_steps=lambda data: self.local_epochs * steps_per_epoch(data.size, self.batch_size))
+
+    def _upload(self, client: ClientModule, data: ClientData, context: RoundContext, cluster: int,
+                losses: list[float]) -> ClientUpdate:
+        """The client's upload: its model, the round's DP events and its cluster index."""
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
                             dp_events=self.round_events(context.round, data.client_id, data.size),
                             diagnostics={"train_loss": float(np.mean(losses)) if losses else 0.0},

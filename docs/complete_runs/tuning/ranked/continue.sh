@@ -4,6 +4,7 @@
 #
 #   bash docs/complete_runs/tuning/ranked/continue.sh            # all four studies, 4 trials a turn
 #   STUDIES="local_dp_scatter" STEP=2 bash docs/complete_runs/tuning/ranked/continue.sh
+#   STUDIES="local_dp_scatter" JOBS=2 bash docs/complete_runs/tuning/ranked/continue.sh   # 2 trials at a time
 #
 # The studies run in runs/tune/ranked/<study>/ (trial run directories, not committed). After every
 # turn of STEP trials the study's record is copied to $KEEP/<study>/ (default: this folder):
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/../../../.."
 KEEP=${KEEP:-docs/complete_runs/tuning/ranked}
 STEP=${STEP:-4}
 TARGET=${TARGET:-64}
+JOBS=${JOBS:-1}  # trials at a time in a study (tune --jobs): TPE then suggests a trial before the running one has ended
 STUDIES=${STUDIES:-"local_dp_scatter dpfedavg_finetune_scatter dpfedavg_prior_scatter dpfedavg_scatter"}
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=disabled
 
@@ -48,7 +50,7 @@ while :; do
     echo "$(date -u +%FT%TZ) $study: $complete scored ($ended ended), continuing to $want ended"
     nice -n 15 python -m fedfdp.experiments tune --config "configs/fmnist_${study}.yaml" \
       --space "configs/search_spaces/ranked/fmnist_${study}.yaml" --study-dir "$dir" --study-name "$study" \
-      --trials "$want" --objective "val_accuracy+val_accuracy_worst" --val-fraction 0.1 --last 5 \
+      --trials "$want" --jobs "$JOBS" --objective "val_accuracy+val_accuracy_worst" --val-fraction 0.1 --last 5 \
       --fit-args --model.eval_train_splits false || true  # the objective reads validation only: no train-split evaluation
     for f in study.db trials.txt best.yaml best.json search_space.yaml; do
       if [[ -f $dir/$f ]]; then cp "$dir/$f" "$KEEP/$study/$f"; fi
