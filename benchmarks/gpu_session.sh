@@ -15,8 +15,10 @@
 #   bash benchmarks/gpu_session.sh rcdpfl_paper S  # RC-DPFL at the paper's setting (rcdpfl-table --dataset
 #                                            # mnist_paper): 6 methods x seeds 0 1 2, one detached rcdpfl-table
 #                                            # per (method, seed), local epochs in lockstep; as finp_cnn
+#   bash benchmarks/gpu_session.sh local_rows S  # each client alone with DP-SGD in Tables IV (MNIST), V and VI:
+#                                            # 21 runs as 3 detached paper-table harnesses; as table4
 set -u
-step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS|rcdpfl_paper SECONDS}
+step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS|rcdpfl_paper SECONDS|local_rows SECONDS}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 exec > >(tee -a "$out/$step.log") 2>&1
@@ -24,7 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled PYTHONUNBUFFERED=1
 export FEDFDP_DATA_DIR=$PWD/.gpu/data
-if [ "$step" = table4 ] || [ "$step" = finp_cnn ] || [ "$step" = rcdpfl_paper ]; then
+if [ "$step" = table4 ] || [ "$step" = finp_cnn ] || [ "$step" = rcdpfl_paper ] || [ "$step" = local_rows ]; then
   # 16 processes share the GPU: one thread each (16 cores), and each process's caching allocator capped
   # (the third lease lost a run to out-of-memory when 15 processes each cached 4-14 GB)
   export OMP_NUM_THREADS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True FEDFDP_CUDA_MEMORY_FRACTION=0.055
@@ -138,5 +140,23 @@ if [ "$step" = rcdpfl_paper ]; then
   #   --methods dpfedavg ifca kmcdpfl rcdpfl oracle local --seeds 0 1 2 --out runs/rcdpfl_paper (skips them, writes the table)
   tar -czf "$out/rcdpfl_paper_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/rcdpfl_paper
   cp /tmp/rcdpfl_*.log "$out/" 2>/dev/null
+  ls -la "$out"
+fi
+if [ "$step" = local_rows ]; then
+  wait_s=${2:?usage: gpu_session.sh local_rows SECONDS}
+  # configs/<dataset>_local_dp.yaml at each column of Tables VI (4 eps), V (Dir(0.5), Dir(1.0)) and IV (MNIST);
+  # FashionMNIST at eps 3.52, Dir(0.1) is committed (issue23_fmnist10/local_dp). About 1.2 min a run on the H100
+  fit="--fit-args --trainer.accelerator gpu"
+  alive() { [ -f /tmp/local_$1.pid ] && kill -0 "$(cat /tmp/local_$1.pid)" 2>/dev/null; }
+  alive t6 || { setsid nohup python3 -m fedfdp.experiments paper-table6 --dataset fmnist --seeds 0 1 2 --methods local_dp \
+      --jobs 12 --out runs/paper $fit >> /tmp/local_t6.log 2>&1 < /dev/null & echo $! > /tmp/local_t6.pid; }
+  alive t5 || { setsid nohup python3 -m fedfdp.experiments paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp \
+      --columns "Dir(0.5)" "Dir(1.0)" --jobs 6 --out runs/paper $fit >> /tmp/local_t5.log 2>&1 < /dev/null & echo $! > /tmp/local_t5.pid; }
+  alive t4 || { setsid nohup python3 -m fedfdp.experiments paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp \
+      --jobs 3 --out runs/paper $fit >> /tmp/local_t4.log 2>&1 < /dev/null & echo $! > /tmp/local_t4.pid; }
+  while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && { alive t6 || alive t5 || alive t4; }; do sleep 5; done
+  echo "local_rows: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/paper/table*/*/local_dp/seed*/summary.json 2>/dev/null | wc -l) of 21"
+  tar -czf "$out/local_rows.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/paper
+  cp /tmp/local_t*.log "$out/" 2>/dev/null
   ls -la "$out"
 fi

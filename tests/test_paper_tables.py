@@ -59,8 +59,9 @@ def test_a_run_finished_after_planning_is_not_started_again(tmp_path, monkeypatc
 
 def test_plan_covers_methods_columns_and_seeds(tmp_path):
     runs = plan_runs("table6", ["fmnist"], [0, 1], tmp_path, REPO / "configs")
-    assert len(runs) == 7 * 4 * 2
+    assert len(runs) == 8 * 4 * 2  # 7 DP methods and each client alone with DP-SGD
     assert all(r.config.exists() for r in runs)
+    assert {r.stem for r in plan_runs("table4", ["fmnist", "mnist"], [0], tmp_path, REPO / "configs")} >= {"local_dp"}
     assert {r.column.label for r in runs} == {"FMNIST eps=1", "FMNIST eps=2", "FMNIST eps=3", "FMNIST eps=4"}
 
 
@@ -90,3 +91,25 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="fedfdp.experiments.paper_tables"):
         assert main(args) == 0  # everything finished: nothing is run again
     assert "2 finished, 0 to run" in caplog.text
+
+
+def test_each_client_alone_takes_every_private_columns_epsilon_sigma_and_split(tmp_path):
+    """The local-only DP-SGD row of Tables IV-VI runs at the column's ε and σ (Table VI), β and
+    client count (Table V), on the column's dataset (Table IV), like the federated rows."""
+    for table, datasets in (("table4", ["fmnist", "mnist"]), ("table5", ["fmnist"]), ("table6", ["fmnist"])):
+        for run in plan_runs(table, datasets, [0], tmp_path, REPO / "configs"):
+            if run.stem != "local_dp":
+                continue
+            config = run.spec(None, []).make_config()
+            assert config["model"]["algorithm"]["class_path"] == "fedfdp.algorithms.DPLocalOnly"
+            assert config["data"]["class_path"] == {"fmnist": "datamodules.FashionMNISTDataModule",
+                                                    "mnist": "datamodules.MNISTDataModule"}[run.column.dataset]
+            for key, value in run.column.overrides.items():
+                if key.startswith("callback:"):
+                    (callback,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"] == "callbacks.RDPAccounting"]
+                    assert callback["init_args"]["target_epsilon"] == value
+                else:
+                    node = config
+                    for part in key.split("."):
+                        node = node[part]
+                    assert node == value

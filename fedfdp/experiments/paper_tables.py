@@ -36,7 +36,10 @@ DATASETS = {"mnist": "MNIST", "fmnist": "FMNIST", "cifar10": "CIFAR10"}
 NON_PRIVATE = [("FedAvg", "fedavg"), ("SCAFFOLD", "scaffold"), ("FedProx", "fedprox"), ("FedDyn", "feddyn"),
                ("q-FFL", "qffl"), ("FedFair", "fedfair")]
 PRIVATE = [("FedAvg", "dpfedavg"), ("SCAFFOLD", "scaffold_dp"), ("FedProx", "fedprox_dp"), ("FedDyn", "feddyn_dp"),
-           ("ALI-DPFL", "alidpfl"), ("q-FFL", "qffl_dp"), ("FedFDP", "fedfdp")]
+           ("ALI-DPFL", "alidpfl"), ("q-FFL", "qffl_dp"), ("FedFDP", "fedfdp"),
+           # each client alone with DP-SGD at the column's ε, σ and split (its own lr, tuned at ε 3.52,
+           # Dir(0.1)): the baseline every private table carries (configs/<dataset>_local_dp.yaml)
+           ("Local DP-SGD", "local_dp")]
 ACCOUNTANT = "callbacks.RDPAccounting"
 
 
