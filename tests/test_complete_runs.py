@@ -163,7 +163,7 @@ def test_the_budget_curve_is_the_running_best_of_a_studys_finished_trials(tmp_pa
     out = tmp_path / "curve.png"
     assert script["main"](["--out", str(out), f"demo={study_dir}"]) == 0
     assert out.stat().st_size > 0
-    assert "demo: 4 trials, best 0.9000 (first reached at trial 3" in capsys.readouterr().out
+    assert "demo: 4 trials, best 0.9000 (first reached at finished trial 3" in capsys.readouterr().out
 
 
 RANKED = sorted((REPO / "docs" / "complete_runs" / "tuning" / "ranked").glob("*/best.json"))

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("studies", nargs="+", metavar="LABEL=DIR")
     parser.add_argument("--out", type=Path, required=True, help="the figure (PNG)")
-    parser.add_argument("--ylabel", default="best validation objective (pooled + worst-client accuracy)")
+    parser.add_argument("--ylabel", default="best validation score\n(pooled + worst-client accuracy)")
+    parser.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="the y range (a study far below the others otherwise flattens them)")
     args = parser.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -57,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: no finished trial")
             continue
         settled = next(k for k, v in enumerate(best) if v >= best[-1] - 0.005) + 1
-        print(f"{label}: {len(best)} trials, best {best[-1]:.4f} (first reached at trial {best.index(best[-1]) + 1}; "
-              f"within 0.005 of it from trial {settled})")
+        print(f"{label}: {len(best)} trials, best {best[-1]:.4f} (first reached at finished trial "
+              f"{best.index(best[-1]) + 1}; within 0.005 of it from finished trial {settled})")
         ax.plot(range(1, len(best) + 1), best, label=f"{label} ({len(best)} trials)", drawstyle="steps-post")
+    if args.ylim is not None:
+        ax.set_ylim(*args.ylim)
     ax.set_xlabel("finished trials")
     ax.set_ylabel(args.ylabel)
     ax.grid(alpha=0.3)
