@@ -209,3 +209,13 @@ def test_a_ranked_winner_is_its_studys_best_trial_and_only_a_finished_study_has_
         assert config["data"]["init_args"]["val_fraction"] == best["val_fraction"]
         for key, value in best["overrides"].items():
             assert _close(_dotted(config, key), value), (path, key)
+
+
+@pytest.mark.parametrize("config_path", sorted((REPO / "configs" / "tuned").glob("*_64trials.yaml")), ids=lambda p: p.stem)
+def test_a_shipped_64_trial_config_is_its_studys_winner(config_path):
+    """configs/tuned/fmnist_<study>_64trials.yaml is the committed best.yaml of that ranked study."""
+    import yaml
+
+    study = config_path.stem.removeprefix("fmnist_").removesuffix("_64trials")
+    best = REPO / "docs" / "complete_runs" / "tuning" / "ranked" / study / "best.yaml"
+    assert yaml.safe_load(config_path.read_text()) == yaml.safe_load(best.read_text())
