@@ -69,6 +69,20 @@ def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeyp
             assert (tmp_path / f"plot{n}.png").stat().st_size > 10_000
 
 
+def _committed_study(best_path, tmp_path):
+    """(study name, its best.json, the Optuna study) of a committed study folder, loaded from a copy
+    of its study.db (loading a study may write to its file)."""
+    import shutil
+
+    import optuna
+
+    name = best_path.parent.name
+    db = tmp_path / "study.db"
+    shutil.copy(best_path.parent / "study.db", db)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return name, json.loads(best_path.read_text()), optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+
+
 STUDIES = sorted((REPO / "docs" / "complete_runs" / "tuning" / "equal_budget").glob("*/best.json"))
 #: Each finished equal-budget study: the config its table rows name and the committed runs of it.
 #: A study whose best trial is trial 0 (the shipped config) keeps the shipped config and its rows.
@@ -100,18 +114,10 @@ def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(bes
     """A row called "8-trial tuned" is true: its study finished 8 trials, the committed winner is
     the study's best trial, and the config its rows name and every committed seed run of it use
     the winner's values."""
-    import shutil
-
-    import optuna
     import yaml
     from optuna.trial import TrialState
 
-    name = best_path.parent.name
-    best = json.loads(best_path.read_text())
-    db = tmp_path / "study.db"  # a copy: loading a study may write to its file
-    shutil.copy(best_path.parent / "study.db", db)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    name, best, study = _committed_study(best_path, tmp_path)
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
     assert len(finished) == len(study.trials) == 8, name
     assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
@@ -186,18 +192,10 @@ def test_a_ranked_winner_is_its_studys_best_trial_and_only_a_finished_study_has_
     """best.json is the study's best trial; test runs of a study's winner exist only once the study
     holds its budget of scored trials (the test splits are read after the search, never during it),
     and every such run trains the winner's values."""
-    import shutil
-
-    import optuna
     import yaml
     from optuna.trial import TrialState
 
-    name = best_path.parent.name
-    best = json.loads(best_path.read_text())
-    db = tmp_path / "study.db"  # a copy: loading a study may write to its file
-    shutil.copy(best_path.parent / "study.db", db)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    name, best, study = _committed_study(best_path, tmp_path)
     assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
     assert best["val_fraction"] == 0.1 and best["objective"] == "val_accuracy+val_accuracy_worst"
     scored = sum(t.state == TrialState.COMPLETE for t in study.trials)
