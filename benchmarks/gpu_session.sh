@@ -15,8 +15,9 @@
 #   bash benchmarks/gpu_session.sh rcdpfl_paper S  # RC-DPFL at the paper's setting (rcdpfl-table --dataset
 #                                            # mnist_paper): 6 methods x seeds 0 1 2, one detached rcdpfl-table
 #                                            # per (method, seed), local epochs in lockstep; as finp_cnn
-#   bash benchmarks/gpu_session.sh local_rows S  # each client alone with DP-SGD in Tables IV (MNIST), V and VI:
-#                                            # 21 runs as 3 detached paper-table harnesses; as table4
+#   bash benchmarks/gpu_session.sh local_rows S  # each client alone with DP-SGD in Tables IV (MNIST), V and VI, and
+#                                            # without DP in IV (MNIST) and V: 30 runs as 3 detached paper-table
+#                                            # harnesses (finished runs skipped: the CPU may have run some); as table4
 set -u
 step=${1:?usage: gpu_session.sh check|studies|table4 SECONDS|finp_cnn SECONDS|rcdpfl_paper SECONDS|local_rows SECONDS}
 out=${OUT:-/tmp/out}
@@ -144,18 +145,19 @@ if [ "$step" = rcdpfl_paper ]; then
 fi
 if [ "$step" = local_rows ]; then
   wait_s=${2:?usage: gpu_session.sh local_rows SECONDS}
-  # configs/<dataset>_local_dp.yaml at each column of Tables VI (4 eps), V (Dir(0.5), Dir(1.0)) and IV (MNIST);
-  # FashionMNIST at eps 3.52, Dir(0.1) is committed (issue23_fmnist10/local_dp). About 1.2 min a run on the H100
+  # configs/<dataset>_local_dp.yaml at each column of Tables VI (4 eps), V (Dir(0.5), Dir(1.0)) and IV (MNIST),
+  # configs/<dataset>_local.yaml (no DP) at V's and IV's; FashionMNIST at eps 3.52, Dir(0.1) is committed
+  # (issue23_fmnist10/local_dp and local). About 1.2 min a DP run on the H100
   fit="--fit-args --trainer.accelerator gpu"
   alive() { [ -f /tmp/local_$1.pid ] && kill -0 "$(cat /tmp/local_$1.pid)" 2>/dev/null; }
   alive t6 || { setsid nohup python3 -m fedfdp.experiments paper-table6 --dataset fmnist --seeds 0 1 2 --methods local_dp \
       --jobs 12 --out runs/paper $fit >> /tmp/local_t6.log 2>&1 < /dev/null & echo $! > /tmp/local_t6.pid; }
-  alive t5 || { setsid nohup python3 -m fedfdp.experiments paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp \
-      --columns "Dir(0.5)" "Dir(1.0)" --jobs 6 --out runs/paper $fit >> /tmp/local_t5.log 2>&1 < /dev/null & echo $! > /tmp/local_t5.pid; }
-  alive t4 || { setsid nohup python3 -m fedfdp.experiments paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp \
-      --jobs 3 --out runs/paper $fit >> /tmp/local_t4.log 2>&1 < /dev/null & echo $! > /tmp/local_t4.pid; }
+  alive t5 || { setsid nohup python3 -m fedfdp.experiments paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp local \
+      --columns "Dir(0.5)" "Dir(1.0)" --jobs 12 --out runs/paper $fit >> /tmp/local_t5.log 2>&1 < /dev/null & echo $! > /tmp/local_t5.pid; }
+  alive t4 || { setsid nohup python3 -m fedfdp.experiments paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp local \
+      --jobs 6 --out runs/paper $fit >> /tmp/local_t4.log 2>&1 < /dev/null & echo $! > /tmp/local_t4.pid; }
   while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && { alive t6 || alive t5 || alive t4; }; do sleep 5; done
-  echo "local_rows: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/paper/table*/*/local_dp/seed*/summary.json 2>/dev/null | wc -l) of 21"
+  echo "local_rows: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/paper/table*/*/local{,_dp}/seed*/summary.json 2>/dev/null | wc -l) of 30"
   tar -czf "$out/local_rows.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/paper
   cp /tmp/local_t*.log "$out/" 2>/dev/null
   ls -la "$out"

@@ -94,16 +94,27 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
 
 
 def test_each_client_alone_takes_every_private_columns_epsilon_sigma_and_split(tmp_path):
-    """The local-only DP-SGD row of Tables IV-VI runs at the column's ε and σ (Table VI), β and
-    client count (Table V), on the column's dataset (Table IV), like the federated rows."""
+    """The local-only rows of Tables IV-VI run at the column's split and dataset, like the federated
+    rows: with DP-SGD at the column's ε and σ (Table VI), β and client count (Table V), dataset
+    (Table IV); without DP (no accountant) wherever a column changes the data (IV and V: each of
+    their columns has the row), not in Table VI, whose columns change only ε."""
+    algorithms = {"local_dp": "fedfdp.algorithms.DPLocalOnly", "local": "fedfdp.algorithms.LocalOnly"}
     for table, datasets in (("table4", ["fmnist", "mnist"]), ("table5", ["fmnist"]), ("table6", ["fmnist"])):
-        for run in plan_runs(table, datasets, [0], tmp_path, REPO / "configs"):
-            if run.stem != "local_dp":
+        runs = plan_runs(table, datasets, [0], tmp_path, REPO / "configs")
+        columns = {r.column.label for r in runs}
+        for stem in algorithms:
+            with_row = {r.column.label for r in runs if r.stem == stem}
+            assert with_row == (set() if (table, stem) == ("table6", "local") else columns), (table, stem)
+        for run in runs:
+            if run.stem not in algorithms:
                 continue
             config = run.spec(None, []).make_config()
-            assert config["model"]["algorithm"]["class_path"] == "fedfdp.algorithms.DPLocalOnly"
+            assert config["model"]["algorithm"]["class_path"] == algorithms[run.stem]
             assert config["data"]["class_path"] == {"fmnist": "datamodules.FashionMNISTDataModule",
                                                     "mnist": "datamodules.MNISTDataModule"}[run.column.dataset]
+            accountants = [cb for cb in config["trainer"].get("callbacks") or []
+                           if cb["class_path"] == "callbacks.RDPAccounting"]
+            assert len(accountants) == (1 if run.stem == "local_dp" else 0), run.config
             for key, value in run.column.overrides.items():
                 if key.startswith("callback:"):
                     (callback,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"] == "callbacks.RDPAccounting"]
