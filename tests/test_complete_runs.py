@@ -135,12 +135,9 @@ def test_an_equal_budget_winner_is_its_studys_best_trial_and_its_rows_run_it(bes
 def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed_runs(tmp_path):
     """docs/complete_runs/index.csv lists every committed run, each row true to its run directory."""
     import csv
-    import importlib.util
 
     folder = REPO / "docs" / "complete_runs"
-    spec = importlib.util.spec_from_file_location("complete_runs_index", folder / "index.py")
-    index = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(index)
+    index = _index_module()
     fresh = tmp_path / "index.csv"
     index.write(fresh)
     assert fresh.read_text() == (folder / "index.csv").read_text()  # regenerate: python docs/complete_runs/index.py write
@@ -151,7 +148,57 @@ def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed
         assert row["status"] == summary.get("status", row["status"]) and int(row["rounds"]) == summary["rounds_run"]
         assert row["dataset"] in ("fmnist", "mnist") and row["seed"] in ("0", "1", "2")
         if row["table"].startswith("fedfdp-"):  # the paper tables: complete, every release accounted
-            assert row["status"] in ("completed", "budget_spent") and row["dp_valid"] == "True"
+            assert row["status"] in ("completed", "budget_spent")
+            no_dp = row["method"].split("_")[0] == "local"  # "Local, no DP" (local_<column>): releases nothing
+            assert (row["dp_valid"], row["epsilon"]) == ("False", "") if no_dp else row["dp_valid"] == "True", row
+
+
+def _index_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("complete_runs_index", REPO / "docs" / "complete_runs" / "index.py")
+    index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(index)
+    return index
+
+
+def test_add_commits_the_finished_runs_of_every_harness_tree(tmp_path):
+    """``index.py add`` reads the trees of the paper tables, finp-table and rcdpfl-table: each
+    finished run lands in ``<dest>/<name>/seed<k>`` with its files (logs gzipped); unfinished runs
+    and runs moved aside are left out."""
+    index = _index_module()
+
+    def run(path, status="budget_spent"):
+        path.mkdir(parents=True)
+        (path / "summary.json").write_text(json.dumps({"status": status}))
+        (path / "config.yaml").write_text("seed_everything: 0\n")
+        (path / "metrics.csv").write_text("step,accuracy\n0,0.5\n")
+        (path / "privacy_ledger.jsonl").write_text('{"round": 0}\n')
+        (path / "sia.json").write_text("{}")
+        (path / "checkpoints").mkdir()
+
+    trees = {
+        "paper": (["fmnisteps1/local_dp/seed0", "fmnisteps1/local_dp/seed1", "dir0p5/local/seed2"],
+                  {("local_dp_fmnisteps1", "seed0"), ("local_dp_fmnisteps1", "seed1"), ("local_dir0p5", "seed2")}),
+        "finp": (["dpfedavg/seed0", "dpfinp_ala_b0.1/seed2"], {("dpfedavg", "seed0"), ("dpfinp_ala_b0.1", "seed2")}),
+        "rcdpfl": (["runs/mnist_paper_rcdpfl_eps5_s0", "runs/mnist_paper_rcdpfl_seed_eps5_s1",
+                    "runs/digits_ifca_eps2.5_s2"],
+                   {("rcdpfl_eps5", "seed0"), ("rcdpfl_seed_eps5", "seed1"), ("ifca_eps2.5", "seed2")}),
+    }
+    for tree, (paths, expected) in trees.items():
+        src, dest = tmp_path / tree, tmp_path / f"{tree}_dest"
+        for path in paths:
+            run(src / path)
+        unfinished = src / paths[0].replace("seed0", "seed3").replace("_s0", "_s3")
+        run(unfinished, status="interrupted")
+        run(src / (paths[0] + ".stale-20261128"))
+        said = index.add(src, dest)
+        assert {(p.parent.parent.name, p.parent.name) for p in dest.glob("*/seed*/summary.json")} == expected, tree
+        assert sum(line.startswith("left out") and "interrupted" in line for line in said) == 1
+        for target in dest.glob("*/seed*"):
+            assert sorted(f.name for f in target.iterdir()) == ["config.yaml", "metrics.csv.gz",
+                                                                "privacy_ledger.jsonl.gz", "sia.json", "summary.json"]
+            assert gzip.decompress((target / "metrics.csv.gz").read_bytes()).startswith(b"step,accuracy")
 
 
 def test_the_budget_curve_is_the_running_best_of_a_studys_finished_trials(tmp_path, capsys):

@@ -1,13 +1,17 @@
 """The committed complete runs: add a harness's finished runs, and write ``index.csv``.
 
     python docs/complete_runs/index.py add --src runs/paper/table6 --dest docs/complete_runs/table6_fmnist
+    python docs/complete_runs/index.py add --src runs/finp_cnn --dest docs/complete_runs/finp_fmnist
+    python docs/complete_runs/index.py add --src runs/rcdpfl_paper --dest docs/complete_runs/rcdpfl_mnist
     python docs/complete_runs/index.py write          # docs/complete_runs/index.csv
 
-``add`` copies every finished run of a paper-table tree (``<src>/<column>/<method>/seed<k>``) to
-``<dest>/<method>_<column>/seed<k>`` in the committed form: ``config.yaml``, ``summary.json``,
-``harness.json`` when there is one, and ``metrics.csv`` and ``privacy_ledger.jsonl`` gzipped. A
-run that did not finish (``status`` other than ``completed``/``budget_spent``) is left out, and
-said so.
+``add`` copies every finished run of a harness's tree to ``<dest>/<name>/seed<k>`` in the committed
+form: ``config.yaml``, ``summary.json``, ``harness.json`` and ``sia.json`` when there are, and
+``metrics.csv`` and ``privacy_ledger.jsonl`` gzipped. The three trees (:func:`harness_runs`):
+a paper table's ``<src>/<column>/<method>/seed<k>`` (name ``<method>_<column>``), ``finp-table``'s
+``<src>/<row>/seed<k>`` (name ``<row>``) and ``rcdpfl-table``'s
+``<src>/runs/<dataset>_<method>_eps<ε>_s<k>`` (name ``<method>_eps<ε>``). A run that did not finish
+(``status`` other than ``completed``/``budget_spent``) is left out, and said so.
 
 ``write`` lists every committed run directory (one holding ``summary.json``) under this folder,
 one row each: ``table,dataset,method,seed,rounds,status,epsilon,path`` and what a reader needs to
@@ -50,26 +54,49 @@ DATASETS = {"FashionMNISTDataModule": "fmnist", "MNISTDataModule": "mnist"}
 FINISHED = ("completed", "budget_spent")
 
 
+def _rcdpfl_name(name: str) -> tuple[str, int] | None:
+    """``<dataset>_<method>_eps<ε>_s<k>`` (``rcdpfl-table``'s run folder) -> (``<method>_eps<ε>``, k)."""
+    from fedfdp.experiments.rcdpfl import LABELS
+
+    stem, sep, seed = name.rpartition("_s")
+    head, sep_eps, eps = stem.rpartition("_eps")
+    if not (sep and sep_eps and seed.isdigit()):
+        return None
+    methods = [m for m in LABELS if head.endswith(f"_{m}")]
+    if not methods:
+        return None
+    return f"{max(methods, key=len)}_eps{eps}", int(seed)
+
+
+def harness_runs(src: Path) -> list[tuple[Path, str, str]]:
+    """``(run_dir, name, seed folder)`` of every run (finished or not) of a harness tree ``src``:
+    a paper table's, ``finp-table``'s or ``rcdpfl-table``'s (see the module docstring)."""
+    found = [(s.parent, f"{s.parent.parent.name}_{s.parent.parent.parent.name}", s.parent.name)
+             for s in src.glob("*/*/seed*/summary.json")]
+    found += [(s.parent, s.parent.parent.name, s.parent.name) for s in src.glob("*/seed*/summary.json")]
+    for s in src.glob("runs/*/summary.json"):
+        parsed = _rcdpfl_name(s.parent.name)
+        if parsed is not None:
+            found.append((s.parent, parsed[0], f"seed{parsed[1]}"))
+    return sorted(r for r in found if ".stale-" not in r[0].name)  # a run moved aside to start it again
+
+
 def add(src: Path, dest: Path) -> list[str]:
-    """Copy the finished runs of the paper-table tree ``src`` into ``dest``; lines saying what was done."""
+    """Copy the finished runs of the harness tree ``src`` into ``dest``; lines saying what was done."""
     said = []
-    for summary in sorted(src.glob("*/*/seed*/summary.json")):
-        run = summary.parent
-        if ".stale-" in run.name:  # a run the runner moved aside to start it again
-            continue
-        column, method = run.parent.parent.name, run.parent.name
-        status = json.loads(summary.read_text()).get("status")
+    for run, name, seed in harness_runs(src):
+        status = json.loads((run / "summary.json").read_text()).get("status")
         if status not in FINISHED:
             said.append(f"left out {run} (status {status})")
             continue
-        target = dest / f"{method}_{column}" / run.name
+        target = dest / name / seed
         target.mkdir(parents=True, exist_ok=True)
-        for name in ("config.yaml", "summary.json", "harness.json"):
-            if (run / name).is_file():
-                shutil.copyfile(run / name, target / name)
-        for name in ("metrics.csv", "privacy_ledger.jsonl"):
-            if (run / name).is_file():
-                (target / f"{name}.gz").write_bytes(gzip.compress((run / name).read_bytes(), mtime=0))
+        for file in ("config.yaml", "summary.json", "harness.json", "sia.json"):
+            if (run / file).is_file():
+                shutil.copyfile(run / file, target / file)
+        for file in ("metrics.csv", "privacy_ledger.jsonl"):
+            if (run / file).is_file():
+                (target / f"{file}.gz").write_bytes(gzip.compress((run / file).read_bytes(), mtime=0))
         said.append(f"added {target}")
     return said
 
@@ -108,7 +135,7 @@ def write(path: Path = INDEX) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("add", help="copy a paper-table tree's finished runs here")
+    p = sub.add_parser("add", help="copy the finished runs of a harness tree (paper table, finp-table, rcdpfl-table) here")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dest", type=Path, required=True)
     sub.add_parser("write", help="write index.csv")
