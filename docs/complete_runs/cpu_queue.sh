@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The seed papers' runs that are still missing (issue 38), on this project's CPU: two lanes in the
+# background, each a queue of harness commands that skip finished runs and resume interrupted ones,
+# so the same command continues the queue in a later session. After each harness its finished runs
+# are copied into docs/complete_runs/ (index.py add) and the index rewritten; committing them is
+# left to the session (git add docs/complete_runs).
+#
+#   bash docs/complete_runs/cpu_queue.sh            # both lanes, detached; logs in runs/cpu_queue/
+#   LANES=1 bash docs/complete_runs/cpu_queue.sh    # only lane 1 (e.g. while the cores are needed)
+#
+# Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
+#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl.
+# Lane 2: FinP's CNN with Adam, DP rows then main rows; then RC-DPFL's rcdpfl, oracle, local.
+# Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
+# no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run about 40, an RC-DPFL run
+# at the paper's setting about 80 (all of it about 40 CPU-hours; on a lent GPU: gpu_session.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LANES=${LANES:-"1 2"}
+LOG=runs/cpu_queue
+mkdir -p "$LOG"
+export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled
+exp="nice -n 15 python -m fedfdp.experiments"
+keep() { python docs/complete_runs/index.py add --src "$1" --dest "docs/complete_runs/$2" | tail -n 2
+         python docs/complete_runs/index.py write; }
+
+lane1() {
+  $exp paper-table6 --dataset fmnist --seeds 0 1 2 --methods local_dp --jobs 1 --out runs/paper
+  keep runs/paper/table6 table6_fmnist
+  $exp paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp --columns "Dir(0.5)" "Dir(1.0)" --jobs 1 \
+    --out runs/paper
+  $exp paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp local --jobs 1 --out runs/paper
+  $exp paper-table5 --dataset fmnist --seeds 0 1 2 --methods local --columns "Dir(0.5)" "Dir(1.0)" --jobs 1 \
+    --out runs/paper
+  keep runs/paper/table5 table5_fmnist
+  keep runs/paper/table4 table4_mnist
+  for method in dpfedavg ifca kmcdpfl; do
+    $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
+    keep runs/rcdpfl_paper rcdpfl_mnist
+  done
+}
+
+lane2() {
+  $exp finp-table --dataset fmnist_cnn --rows dp --seeds 0 1 2 --out runs/finp_cnn
+  keep runs/finp_cnn finp_fmnist
+  $exp finp-table --dataset fmnist_cnn --rows main --seeds 0 1 2 --out runs/finp_cnn
+  keep runs/finp_cnn finp_fmnist
+  for method in rcdpfl oracle local; do
+    $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
+    keep runs/rcdpfl_paper rcdpfl_mnist
+  done
+}
+
+for lane in $LANES; do
+  setsid nohup bash -c "$(declare -f keep "lane$lane"); exp='$exp'; lane$lane" > "$LOG/lane$lane.log" 2>&1 < /dev/null &
+  echo "lane $lane: pid $!, log $LOG/lane$lane.log"
+done
