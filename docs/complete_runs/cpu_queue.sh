@@ -33,7 +33,7 @@ lane1() {
   $exp paper-table5 --dataset fmnist --seeds 0 1 2 --methods local --columns "Dir(0.5)" "Dir(1.0)" --jobs 1 \
     --out runs/paper
   keep runs/paper/table5 table5_fmnist
-  keep runs/paper/table4 table4_mnist
+  keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
   for method in dpfedavg ifca kmcdpfl; do
     $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
     keep runs/rcdpfl_paper rcdpfl_mnist
