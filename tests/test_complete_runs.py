@@ -150,7 +150,9 @@ def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed
         assert row["dataset"] in ("fmnist", "mnist") and row["seed"] in ("0", "1", "2")
         if row["table"].startswith("fedfdp-"):  # the paper tables: complete, every release accounted
             assert row["status"] in ("completed", "budget_spent")
-            no_dp = row["method"].split("_")[0] == "local"  # "Local, no DP" (local_<column>): releases nothing
+            # "Local, no DP" (local, local_<column>) releases nothing; "Local DP-SGD" is local_dp...
+            no_dp = row["method"] == "local" or (row["method"].startswith("local_")
+                                                 and not row["method"].startswith("local_dp"))
             assert (row["dp_valid"], row["epsilon"]) == ("False", "") if no_dp else row["dp_valid"] == "True", row
 
 
