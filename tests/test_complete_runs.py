@@ -13,6 +13,7 @@ import shlex
 from collections import defaultdict
 
 import pytest
+import yaml
 
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from tests.conftest import REPO
@@ -150,9 +151,10 @@ def test_the_index_of_complete_runs_is_what_the_script_writes_from_the_committed
         assert row["dataset"] in ("fmnist", "mnist") and row["seed"] in ("0", "1", "2")
         if row["table"].startswith("fedfdp-"):  # the paper tables: complete, every release accounted
             assert row["status"] in ("completed", "budget_spent")
-            # "Local, no DP" (local, local_<column>) releases nothing; "Local DP-SGD" is local_dp...
-            no_dp = row["method"] == "local" or (row["method"].startswith("local_")
-                                                 and not row["method"].startswith("local_dp"))
+            # the one non-private row a paper table carries is each client alone without DP, told by what
+            # the run trained (its algorithm), not by its folder's name: every other row must be dp_valid
+            config = yaml.safe_load((folder / row["path"] / "config.yaml").read_text())
+            no_dp = config["model"]["algorithm"]["class_path"] == "fedfdp.algorithms.LocalOnly"
             assert (row["dp_valid"], row["epsilon"]) == ("False", "") if no_dp else row["dp_valid"] == "True", row
 
 
