@@ -196,3 +196,58 @@ def test_finp_table_cnn_rows_use_the_cnn_configs_and_label_their_own_beta(tmp_pa
     assert row_label("finp_pca", "fmnist_cnn") == f"FinP (PCA, β={cnn['beta']:g})"
     assert row_label("finp_pca", "fmnist") == "FinP (PCA, β=2)"
     assert row_label("dpfedavg", "fmnist") == "DP-FedAvg (σ=1.5)"
+
+
+def _algorithm(config: str) -> dict:
+    return yaml.safe_load((REPO / config).read_text())["model"]["algorithm"]
+
+
+@pytest.mark.parametrize("dataset", ["fmnist", "fmnist_cnn"])
+def test_each_client_alone_rows_keep_the_tables_loop_split_and_dp_mechanism(dataset):
+    """The references of a FinP table change only what makes them references: the same net, local
+    optimiser, split and rounds as FinP's config; alone without DP runs FinP's local loop (lr, epochs,
+    batch), alone with DP-SGD the DP rows' mechanism (q, C, σ, steps, lr), charged (an accountant);
+    neither has an audit, as nothing leaves a client."""
+    from fedfdp.experiments.finp import DATASETS
+
+    data = DATASETS[dataset]
+    finp = yaml.safe_load((REPO / data.config).read_text())
+    for config in (data.local_config, data.local_dp_config):
+        local = yaml.safe_load((REPO / config).read_text())
+        assert local["model"]["client"] == finp["model"]["client"] and local["data"] == finp["data"]
+        assert local["model"]["num_rounds"] == finp["model"]["num_rounds"]
+        callbacks = [c["class_path"] for c in (local.get("trainer") or {}).get("callbacks") or []]
+        assert not any("Audit" in c for c in callbacks)
+        assert ("callbacks.RDPAccounting" in callbacks) == (config == data.local_dp_config)
+    alone, loop = _algorithm(data.local_config), _algorithm(data.config)["init_args"]
+    assert alone["class_path"] == "fedfdp.algorithms.LocalOnly"
+    assert {k: alone["init_args"][k] for k in ("lr", "local_epochs", "batch_size")} == \
+        {k: loop[k] for k in ("lr", "local_epochs", "batch_size")}
+    alone_dp, dp = _algorithm(data.local_dp_config), _algorithm(data.dp_config)["init_args"]
+    assert alone_dp["class_path"] == "fedfdp.algorithms.DPLocalOnly"
+    mechanism = ("lr", "sample_rate", "max_grad_norm", "noise_multiplier", "local_steps")
+    assert {k: alone_dp["init_args"][k] for k in mechanism} == {k: dp[k] for k in mechanism}
+
+
+def test_finp_table_alone_rows_run_two_configs_and_compute_the_majority_label(tmp_path, capsys):
+    """``--rows alone``: one run per seed for each client alone (without, with DP-SGD), none for the
+    majority label, whose row is computed from FinP's split (pooled accuracy of each client's most
+    frequent training label, on its training and test splits) with no SIA, MIA or ε."""
+    from fedfdp.experiments.__main__ import main
+    from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
+    from fedfdp.experiments.finp import DATASETS
+
+    assert main(["finp-table", "--dataset", "fmnist_cnn", "--rows", "alone", "--seeds", "0", "1", "--out",
+                 str(tmp_path), "--dry_run"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "fedfdp.fit" in line]
+    assert sorted(line.split("--config ")[1].split()[0] for line in lines) == \
+        ["configs/finp_fmnist_cnn_local.yaml"] * 2 + ["configs/finp_fmnist_cnn_local_dp.yaml"] * 2
+
+    assert main(["finp-table", "--dataset", "fmnist_cnn", "--rows", "majority", "--out", str(tmp_path)]) == 0
+    row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if "Majority" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    datamodule = datamodule_from_config(REPO / DATASETS["fmnist_cnn"].config, labels_only=True)
+    expected = [100 * majority_label_baseline(datamodule, split)["pooled"] for split in ("train", "test")]
+    assert [float(c) for c in cells[1:3]] == pytest.approx(expected, abs=0.005)
+    assert 10 < expected[1] < 60 and set(cells[3:]) == {"–"}
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # nothing was trained

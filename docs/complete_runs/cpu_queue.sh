@@ -10,7 +10,7 @@
 #
 # Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
 #         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl.
-# Lane 2: FinP's CNN with Adam, DP rows then main rows; then RC-DPFL's rcdpfl, oracle, local.
+# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's rcdpfl, oracle, local.
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run about 40, an RC-DPFL run
 # at the paper's setting about 80 (all of it about 40 CPU-hours; on a lent GPU: gpu_session.sh).
@@ -42,6 +42,8 @@ lane1() {
 
 lane2() {
   $exp finp-table --dataset fmnist_cnn --rows dp --seeds 0 1 2 --out runs/finp_cnn
+  keep runs/finp_cnn finp_fmnist
+  $exp finp-table --dataset fmnist_cnn --rows alone --seeds 0 1 2 --out runs/finp_cnn
   keep runs/finp_cnn finp_fmnist
   $exp finp-table --dataset fmnist_cnn --rows main --seeds 0 1 2 --out runs/finp_cnn
   keep runs/finp_cnn finp_fmnist

@@ -1,8 +1,11 @@
 """FinP comparison harness (``python -m fedfdp.experiments finp-table``): FinP seed 003, Tables 1/3 layout.
 
 Rows: the baseline FedAvg, FinP_client, FinP_server(PCA/ALA), FinP(PCA/ALA) (spec §1.8), a β
-ablation, and DP rows (DP-FedAvg, FinP + DP-SGD, FedFDP, each with the same SIA/MIA audit). Each
-run is one subprocess ``python -m fedfdp.fit --config <config> --run_dir <out>/<row>/seed<k>
+ablation, DP rows (DP-FedAvg, FinP + DP-SGD, FedFDP, each with the same SIA/MIA audit), and the
+references every table here carries (group ``alone``): each client alone without and with DP-SGD
+(the FinP loop's local optimiser, and the DP rows' q, C, σ and steps) and each client predicting the
+majority label of its training split (computed, not trained). Nothing leaves a client in those rows,
+so they have no SIA or MIA columns: there is no upload to attack. Each run is one subprocess ``python -m fedfdp.fit --config <config> --run_dir <out>/<row>/seed<k>
 --seed_everything k <overrides>`` launched by :class:`fedfdp.experiments.runner.Runner`
 (finished runs are skipped, interrupted ones resumed); the first failed run stops the command.
 The table holds the mean over seeds. Columns
@@ -31,31 +34,37 @@ from fedfdp.privacy.sia_metrics import convergence_round
 A = "--model.algorithm.init_args."
 # the configs a row names, resolved per dataset (Dataset below)
 CONFIG, DP_CONFIG, FEDFDP_CONFIG = "finp", "dp", "fedfdp"
+LOCAL_CONFIG, LOCAL_DP_CONFIG, MAJORITY = "local", "local_dp", "majority"  # MAJORITY: FinP's split, no run
 FEDAVG = ["{fedavg}"]  # the dataset's FedAvg baseline overrides
 
 
 @dataclass(frozen=True)
 class Dataset:
     """The configs of one dataset's rows: FinP's, the DP rows' (None: no DP rows), FedFDP's (None: no
-    FedFDP row), and the overrides that turn the FinP config into the FedAvg baseline."""
+    FedFDP row), each client alone without and with DP-SGD (None: no such row), and the overrides that
+    turn the FinP config into the FedAvg baseline. The majority-label row reads FinP's split."""
 
     config: str
     baseline: list[str]
     dp_config: str | None = None
     fedfdp_config: str | None = None
+    local_config: str | None = None
+    local_dp_config: str | None = None
 
     def path(self, kind: str) -> str | None:
-        return {CONFIG: self.config, DP_CONFIG: self.dp_config, FEDFDP_CONFIG: self.fedfdp_config}[kind]
+        return {CONFIG: self.config, DP_CONFIG: self.dp_config, FEDFDP_CONFIG: self.fedfdp_config,
+                LOCAL_CONFIG: self.local_config, LOCAL_DP_CONFIG: self.local_dp_config, MAJORITY: self.config}[kind]
 
     def label_values(self) -> dict[str, str]:
         """β of the FinP and DP configs, σ of the DP config: the values the row labels show."""
         def init_args(path: str | None) -> dict[str, Any]:
             return yaml.safe_load(Path(path).read_text())["model"]["algorithm"]["init_args"] if path else {}
 
-        finp, dp = init_args(self.config), init_args(self.dp_config)
+        finp, dp, local_dp = init_args(self.config), init_args(self.dp_config), init_args(self.local_dp_config)
         return {"beta": f"{finp.get('beta', '?'):g}" if "beta" in finp else "?",
                 "dp_beta": f"{dp['beta']:g}" if "beta" in dp else "?",
-                "sigma": f"{dp['noise_multiplier']:g}" if "noise_multiplier" in dp else "?"}
+                "sigma": f"{dp['noise_multiplier']:g}" if "noise_multiplier" in dp else "?",
+                "local_sigma": f"{local_dp['noise_multiplier']:g}" if "noise_multiplier" in local_dp else "?"}
 
 
 # FinP with both parts off is FedAvg exactly (same loop and local optimizer, n_k weights, nothing extra uploaded)
@@ -63,10 +72,13 @@ SAME_LOOP_FEDAVG = [A + "client_reg", "false", A + "server_agg", "size_fedavg"]
 DATASETS: dict[str, Dataset] = {
     "fmnist": Dataset("configs/finp_fmnist.yaml", ["--model.algorithm", "fedfdp.algorithms.FedAvg", A + "lr", "0.05",
                                                     A + "local_epochs", "2", A + "batch_size", "32"],
-                      "configs/finp_fmnist_dp.yaml", "configs/fedfdp_fmnist_sia.yaml"),
+                      "configs/finp_fmnist_dp.yaml", "configs/fedfdp_fmnist_sia.yaml",
+                      "configs/finp_fmnist_local.yaml", "configs/finp_fmnist_local_dp.yaml"),
     # FinP's own CNN (HuCNN) and Adam, 5 local epochs of batch 64 (spec §4.2); its baseline is FedAvg
     # with the same Adam loop
-    "fmnist_cnn": Dataset("configs/finp_fmnist_cnn.yaml", SAME_LOOP_FEDAVG, "configs/finp_fmnist_cnn_dp.yaml"),
+    "fmnist_cnn": Dataset("configs/finp_fmnist_cnn.yaml", SAME_LOOP_FEDAVG, "configs/finp_fmnist_cnn_dp.yaml",
+                          local_config="configs/finp_fmnist_cnn_local.yaml",
+                          local_dp_config="configs/finp_fmnist_cnn_local_dp.yaml"),
     "synthetic_har": Dataset("configs/finp_synthetic_har.yaml", SAME_LOOP_FEDAVG),
 }
 # row name -> (group, label, config kind, overrides); {beta}, {dp_beta}, {sigma}: the dataset's values
@@ -87,7 +99,11 @@ ROWS: dict[str, tuple[str, str, str, list[str]]] = {
     "dpfinp_ala_b0.1": ("dp", "FinP (ALA, β=0.1) + DP-SGD", DP_CONFIG, [A + "beta", "0.1"]),
     "dpfinp_ala": ("dp", "FinP (ALA, β={dp_beta}) + DP-SGD", DP_CONFIG, []),
     "fedfdp": ("dp", "FedFDP (λ=0.1)", FEDFDP_CONFIG, []),
+    "local": ("alone", "Each client alone, no DP", LOCAL_CONFIG, []),
+    "local_dp": ("alone", "Each client alone, DP-SGD (σ={local_sigma})", LOCAL_DP_CONFIG, []),
+    "majority": ("alone", "Majority label of each client", MAJORITY, []),
 }
+GROUPS = ("main", "beta", "dp", "alone")
 COLUMNS = [("train_acc", "Train acc %"), ("test_acc", "Test acc %"), ("sia_mean", "Mean(SIA) %"),
            ("sia_max", "Max(SIA) %"), ("sia_cov", "CoV(SIA)"), ("sia_fi", "FI(SIA)"), ("loss_cov", "CoV(Loss)"),
            ("loss_fi", "FI(Loss)"), ("eod", "EOD"), ("converge", "Converge"), ("mia_auc", "MIA AUC"),
@@ -98,7 +114,7 @@ def register(subparsers: Any) -> None:
     """Add the ``finp-table`` command."""
     p = subparsers.add_parser("finp-table", help="FedAvg vs FinP-PCA vs FinP-ALA, β ablation, DP rows (SIA audit)")
     p.add_argument("--dataset", default="fmnist", choices=sorted(DATASETS), help="which FinP config the rows use")
-    add_list_option(p, "--rows", default=["main", "beta", "dp"], help="groups (main, beta, dp) and/or row names")
+    add_list_option(p, "--rows", default=list(GROUPS), help=f"groups ({', '.join(GROUPS)}) and/or row names")
     add_list_option(p, "--seeds", item_type=int, default=[0], help="seeds")
     p.add_argument("--rounds", type=int, default=None, help="override model.num_rounds (default: the config's 20)")
     p.add_argument("--out", default="runs/finp_table", help="root of the run directories")
@@ -113,7 +129,7 @@ def selected_rows(spec: str | list[str]) -> list[str]:
     wanted = [s.strip() for s in items if s.strip()]
     unknown = [w for w in wanted if w not in ROWS and w not in {g for g, *_ in ROWS.values()}]
     if unknown:
-        raise ValueError(f"--rows got unknown {unknown}; accepted: main, beta, dp or {sorted(ROWS)}")
+        raise ValueError(f"--rows got unknown {unknown}; accepted: {', '.join(GROUPS)} or {sorted(ROWS)}")
     return [name for name, (group, *_) in ROWS.items() if name in wanted or group in wanted]
 
 
@@ -150,6 +166,19 @@ def row_values(summary: dict[str, Any]) -> dict[str, float | None]:
             "epsilon": summary.get("epsilon"), "sec_round": summary.get("seconds_per_round")}
 
 
+def majority_row_values(config: str) -> dict[str, float | None]:
+    """The majority-label row: each client predicts the most frequent label of its training split
+    (:func:`fedfdp.experiments.baselines.majority_label_baseline` on ``config``'s split), scored on
+    its training and test splits (pooled, %); it trains nothing and releases nothing."""
+    from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
+
+    datamodule = datamodule_from_config(config, labels_only=True)
+    values: dict[str, float | None] = {key: None for key, _ in COLUMNS}
+    values["train_acc"] = 100 * majority_label_baseline(datamodule, "train")["pooled"]
+    values["test_acc"] = 100 * majority_label_baseline(datamodule, "test")["pooled"]
+    return values
+
+
 def _fmt(value: float | None, key: str) -> str:
     if value is None:
         return "–"
@@ -171,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     data = DATASETS[args.dataset]
     rows = [r for r in rows if data.path(ROWS[r][2]) is not None]  # rows the dataset has no config for
     runner = Runner(env={"WANDB_MODE": "disabled"})
-    specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in rows for seed in seeds}
+    trained = [r for r in rows if ROWS[r][2] != MAJORITY]
+    specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in trained for seed in seeds}
     if args.dry_run:  # the dry run's output is the list of commands
         for spec in runner.pending(specs.values()):
             print_command(runner.command(spec))
@@ -185,15 +215,19 @@ def run(args: argparse.Namespace) -> int:
              "|---|" + "---|" * len(COLUMNS)]
     records = []
     for name in rows:
-        summaries = [finished_summary(specs[name, s].run_dir) for s in seeds]
-        if any(summary is None for summary in summaries):  # only complete runs are tabulated
-            message(f"error: finp-table: no finished run in {out / name} for every seed {' '.join(map(str, seeds))}")
-            return 1
-        values = [row_values(summary) for summary in summaries]
-        mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)
-                for k, _ in COLUMNS}
+        if name in trained:
+            summaries = [finished_summary(specs[name, s].run_dir) for s in seeds]
+            if any(summary is None for summary in summaries):  # only complete runs are tabulated
+                message(f"error: finp-table: no finished run in {out / name} for every seed "
+                        f"{' '.join(map(str, seeds))}")
+                return 1
+            values = [row_values(summary) for summary in summaries]
+            mean = {k: (sum(v[k] for v in values) / len(values) if all(v[k] is not None for v in values) else None)
+                    for k, _ in COLUMNS}
+        else:  # the majority label: computed from the split, the same for every seed
+            mean = majority_row_values(data.config)
         label = row_label(name, args.dataset)
-        records.append({"row": name, "label": label, "seeds": len(seeds), **mean})
+        records.append({"row": name, "label": label, "seeds": len(seeds) if name in trained else 0, **mean})
         lines.append(f"| {label} | " + " | ".join(_fmt(mean[k], k) for k, _ in COLUMNS) + " |")
     table = "\n".join(lines) + "\n"
     md = Path(args.markdown) if args.markdown else out / "table.md"
