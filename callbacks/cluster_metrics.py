@@ -40,6 +40,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def group_accuracies(accuracy: Tensor | np.ndarray, truth: np.ndarray, minority: list[int]) -> dict[str, float]:
+    """``acc_all``, ``acc_min``, ``acc_disparity``, ``acc_majority``, ``acc_minority`` of the clients'
+    accuracies ``accuracy`` (one per client) whose true clusters are ``truth``; ``minority``: the
+    smaller clusters (NaN for a group with no client)."""
+    acc = torch.as_tensor(np.asarray(accuracy, dtype=np.float64))
+    is_min = torch.as_tensor(np.isin(truth, minority))
+    return {"acc_all": float(acc.mean()), "acc_min": float(acc.min()), "acc_disparity": float(acc.max() - acc.min()),
+            "acc_majority": float(acc[~is_min].mean()) if (~is_min).any() else float("nan"),
+            "acc_minority": float(acc[is_min].mean()) if is_min.any() else float("nan")}
+
+
 class ClusterMetrics(FederationCallback):
     """Adds the clustered-DPFL metrics at every evaluation (needs a datamodule with ``client_cluster``).
 
@@ -121,11 +132,7 @@ class ClusterMetrics(FederationCallback):
         """Group accuracies, disparity, privacy-cost fairness and clustering accuracy."""
         truth = self._truth(federation)
         acc = result.client_accuracy.double().cpu()
-        minority = getattr(federation.datamodule, "minority_clusters", [])
-        is_min = torch.as_tensor(np.isin(truth, minority))
-        out = {"acc_all": float(acc.mean()), "acc_min": float(acc.min()), "acc_disparity": float(acc.max() - acc.min()),
-               "acc_majority": float(acc[~is_min].mean()) if (~is_min).any() else float("nan"),
-               "acc_minority": float(acc[is_min].mean()) if is_min.any() else float("nan")}
+        out = group_accuracies(acc, truth, getattr(federation.datamodule, "minority_clusters", []))
         if self.reference_epochs > 0:
             if self._reference is None:
                 self._reference = self._train_reference(federation, truth)

@@ -187,8 +187,9 @@ def test_add_commits_the_finished_runs_of_every_harness_tree(tmp_path):
                   {("local_dp_fmnisteps1", "seed0"), ("local_dp_fmnisteps1", "seed1"), ("local_dir0p5", "seed2")}),
         "finp": (["dpfedavg/seed0", "dpfinp_ala_b0.1/seed2"], {("dpfedavg", "seed0"), ("dpfinp_ala_b0.1", "seed2")}),
         "rcdpfl": (["runs/mnist_paper_rcdpfl_eps5_s0", "runs/mnist_paper_rcdpfl_seed_eps5_s1",
-                    "runs/digits_ifca_eps2.5_s2"],
-                   {("rcdpfl_eps5", "seed0"), ("rcdpfl_seed_eps5", "seed1"), ("ifca_eps2.5", "seed2")}),
+                    "runs/digits_ifca_eps2.5_s2", "runs/mnist_paper_local_nodp_s1", "runs/mnist_paper_local_eps1_s1"],
+                   {("rcdpfl_eps5", "seed0"), ("rcdpfl_seed_eps5", "seed1"), ("ifca_eps2.5", "seed2"),
+                    ("local_nodp", "seed1"), ("local_eps1", "seed1")}),
     }
     for tree, (paths, expected) in trees.items():
         src, dest = tmp_path / tree, tmp_path / f"{tree}_dest"

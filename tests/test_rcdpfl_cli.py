@@ -123,3 +123,62 @@ def test_dpfedavg_noise_is_calibrated_on_the_algorithms_own_schedule():
                                    steps=args["local_steps"] * 7)]
     assert args["noise_multiplier"] == calibrate_noise_multiplier(one_stage, target_epsilon=3.0, delta=1e-4)
     assert epsilon_of(one_stage(args["noise_multiplier"]), 1e-4) <= 3.0
+
+
+LOCAL_CONFIGS = sorted((REPO / "configs" / "rcdpfl").glob("*_local.yaml"))
+
+
+@pytest.mark.parametrize("local", LOCAL_CONFIGS, ids=lambda p: p.stem)
+def test_every_local_dp_sgd_config_has_a_non_private_twin_that_changes_only_the_privacy(local):
+    """Each client alone without DP (``<dataset>_local_nodp.yaml``) next to every local DP-SGD
+    config: the same data, model, rounds, metrics and local loop (lr, batch, epochs), LocalOnly
+    instead of LocalDPSGD, and no accountant (so the harness runs it once per seed, with no ε)."""
+    import yaml
+
+    from fedfdp.experiments.rcdpfl import is_private
+
+    dp = yaml.safe_load(local.read_text())
+    twin_path = local.with_name(local.name.replace("_local.yaml", "_local_nodp.yaml"))
+    assert twin_path.exists(), f"{twin_path.name} missing"
+    twin = yaml.safe_load(twin_path.read_text())
+    assert is_private(dp) and not is_private(twin)
+    for key in ("data", "seed_everything"):
+        assert twin[key] == dp[key]
+    assert {k: v for k, v in twin["model"].items() if k != "algorithm"} == \
+        {k: v for k, v in dp["model"].items() if k != "algorithm"}
+    assert [c for c in twin["trainer"]["callbacks"]] == \
+        [c for c in dp["trainer"]["callbacks"] if not c["class_path"].endswith("RDPAccounting")]
+    assert twin["model"]["algorithm"]["class_path"] == "fedfdp.algorithms.LocalOnly"
+    loop = ("lr", "batch_size", "local_epochs")
+    assert {k: twin["model"]["algorithm"]["init_args"][k] for k in loop} == \
+        {k: dp["model"]["algorithm"]["init_args"][k] for k in loop}
+
+
+def test_harness_runs_a_non_private_method_once_per_seed_and_computes_the_majority_label(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """``local_nodp`` runs once per seed whatever ``--epsilons`` (no ε in its name), a private method
+    once per (ε, seed); ``majority`` is no run: its row, under ε "no DP", is each client's majority
+    label scored on its test split, grouped as the clustered metrics are."""
+    from callbacks.cluster_metrics import group_accuracies
+    from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
+    from fedfdp.experiments.rcdpfl import majority_row
+
+    monkeypatch.chdir(REPO)
+    argv = ["rcdpfl-table", "--dataset", "digits", "--methods", "local", "local_nodp", "majority", "--epsilons", "2",
+            "5", "--seeds", "0", "1", "--out", str(tmp_path), "--dry_run"]
+    assert main(argv) == 0
+    names = sorted(line.split("--run_dir ")[1].split()[0].rsplit("/", 1)[1]
+                   for line in capsys.readouterr().out.splitlines() if "fedfdp.fit" in line)
+    assert names == ["digits_local_eps2_s0", "digits_local_eps2_s1", "digits_local_eps5_s0", "digits_local_eps5_s1",
+                     "digits_local_nodp_s0", "digits_local_nodp_s1"]
+
+    config = REPO / "configs/rcdpfl/digits_local.yaml"
+    row = majority_row(config)
+    datamodule = datamodule_from_config(config, labels_only=True)
+    accuracy = np.asarray(majority_label_baseline(datamodule)["client_accuracy"])
+    assert row["acc_all"] == pytest.approx(accuracy.mean()) and row["acc_min"] == pytest.approx(accuracy.min())
+    assert row == {**row, **group_accuracies(accuracy, np.asarray(datamodule.client_cluster),
+                                             list(datamodule.minority_clusters))}
+    assert 0 < row["acc_all"] < 0.3 and row["epsilon"] is None  # digits are balanced: near 10 %
+    table = write_table([row], tmp_path)
+    assert f"| no DP | Majority label | {100 * row['acc_all']:.1f} |" in table and table.rstrip().endswith("| – |")

@@ -9,7 +9,7 @@
 #   LANES=1 bash docs/complete_runs/cpu_queue.sh    # only lane 1 (e.g. while the cores are needed)
 #
 # Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
-#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl.
+#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl and local without DP.
 # Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's rcdpfl, oracle, local.
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run about 40, an RC-DPFL run
@@ -34,7 +34,7 @@ lane1() {
     --out runs/paper
   keep runs/paper/table5 table5_fmnist
   keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
-  for method in dpfedavg ifca kmcdpfl; do
+  for method in dpfedavg ifca kmcdpfl local_nodp; do
     $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
     keep runs/rcdpfl_paper rcdpfl_mnist
   done

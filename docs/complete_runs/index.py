@@ -10,7 +10,8 @@ form: ``config.yaml``, ``summary.json``, ``harness.json`` and ``sia.json`` when 
 ``metrics.csv`` and ``privacy_ledger.jsonl`` gzipped. The three trees (:func:`harness_runs`):
 a paper table's ``<src>/<column>/<method>/seed<k>`` (name ``<method>_<column>``), ``finp-table``'s
 ``<src>/<row>/seed<k>`` (name ``<row>``) and ``rcdpfl-table``'s
-``<src>/runs/<dataset>_<method>_eps<ε>_s<k>`` (name ``<method>_eps<ε>``). A run that did not finish
+``<src>/runs/<dataset>_<method>_eps<ε>_s<k>`` (name ``<method>_eps<ε>``; a non-private method's
+``<dataset>_<method>_s<k>``, name ``<method>``). A run that did not finish
 (``status`` other than ``completed``/``budget_spent``) is left out, and said so.
 
 ``write`` lists every committed run directory (one holding ``summary.json``) under this folder,
@@ -55,17 +56,19 @@ FINISHED = ("completed", "budget_spent")
 
 
 def _rcdpfl_name(name: str) -> tuple[str, int] | None:
-    """``<dataset>_<method>_eps<ε>_s<k>`` (``rcdpfl-table``'s run folder) -> (``<method>_eps<ε>``, k)."""
+    """``<dataset>_<method>_eps<ε>_s<k>`` (``rcdpfl-table``'s run folder) -> (``<method>_eps<ε>``, k);
+    a non-private method's ``<dataset>_<method>_s<k>`` -> (``<method>``, k)."""
     from fedfdp.experiments.rcdpfl import LABELS
 
     stem, sep, seed = name.rpartition("_s")
-    head, sep_eps, eps = stem.rpartition("_eps")
-    if not (sep and sep_eps and seed.isdigit()):
+    if not (sep and seed.isdigit()):
         return None
+    head, sep_eps, eps = stem.rpartition("_eps")
+    head, suffix = (head, f"_eps{eps}") if sep_eps else (stem, "")
     methods = [m for m in LABELS if head.endswith(f"_{m}")]
     if not methods:
         return None
-    return f"{max(methods, key=len)}_eps{eps}", int(seed)
+    return f"{max(methods, key=len)}{suffix}", int(seed)
 
 
 def harness_runs(src: Path) -> list[tuple[Path, str, str]]:

@@ -5,15 +5,19 @@ Methods × ε × seeds, each one subprocess ``python -m fedfdp.fit --config <gen
 :class:`fedfdp.experiments.runner.Runner` (finished runs are skipped, interrupted ones resumed; a
 failed run is reported and the others go on). The generated config,
 ``<out>/configs/<dataset>_<method>_eps<ε>_s<seed>.yaml``, is ``configs/rcdpfl/<dataset>_<method>.yaml``
-with the seed, the round count and ``RDPAccounting.target_epsilon`` set; the clustered algorithms
+with the seed, the round count and ``RDPAccounting.target_epsilon`` set (a config without an
+accountant is a non-private reference, ``local_nodp``: run once per seed as
+``<dataset>_<method>_s<seed>``, whatever ``--epsilons``); the clustered algorithms
 calibrate z_i for that target themselves (two-stage for RC-DPFL), and DPFedAvg gets here the
 smallest z whose whole-run schedule (the algorithm's own per-round events,
 ``DPFedAvg.planned_dp_events``, over the run's rounds) meets the target
 (:func:`fedfdp.privacy.schedule.calibrate_noise_multiplier`). Columns (spec §5, in %):
 All / Maj / Min mean test accuracy, worst client, max−min disparity, F_acc / F_loss (privacy-cost
 spread against the non-private per-cluster reference models), clustering accuracy of the final
-assignment and of RC-DPFL's round-1 GMM, spent ε. Writes ``results.csv`` (one row per run) and
-``table.md`` (mean ± population std over seeds) into ``--out``.
+assignment and of RC-DPFL's round-1 GMM, spent ε. ``majority`` is no run: each client predicts the
+most frequent label of its training split (computed on the split of ``<dataset>_local.yaml``), the
+label-only floor every method must beat. Writes ``results.csv`` (one row per run) and ``table.md``
+(mean ± population std over seeds; the non-private rows under ε "no DP") into ``--out``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from fedfdp.errors import ConfigError
@@ -37,7 +42,9 @@ from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
 LABELS = {"dpfedavg": "DPFedAvg", "ifca": "IFCA (f-CDPFL)",
           "ifca_seed": "IFCA (seed selection, unaccounted)", "kmcdpfl": "KM-CDPFL", "rcdpfl": "RC-DPFL",
-          "rcdpfl_seed": "RC-DPFL (seed selection, unaccounted)", "oracle": "Oracle (O-CDPFL)", "local": "Local"}
+          "rcdpfl_seed": "RC-DPFL (seed selection, unaccounted)", "oracle": "Oracle (O-CDPFL)", "local": "Local",
+          "local_nodp": "Local, no DP", "majority": "Majority label"}
+MAJORITY = "majority"  # computed from the split, not trained
 COLUMNS = [("acc_all", "All"), ("acc_majority", "Maj"), ("acc_minority", "Min"), ("acc_min", "MinAcc"),
            ("acc_disparity", "Disp"), ("f_acc", "F_acc"), ("f_loss", "F_loss"),
            ("clustering_accuracy", "clust. acc"), ("gmm_clustering_accuracy", "GMM acc"), ("epsilon", "ε spent")]
@@ -86,12 +93,22 @@ def one_stage_noise_multiplier(algorithm: dict[str, Any], *, rounds: int, epsilo
     return calibrate_noise_multiplier(schedule, target_epsilon=epsilon, delta=delta, orders=orders)
 
 
-def make_config(base: Path, *, seed: int, epsilon: float, rounds: int | None) -> dict[str, Any]:
-    """The base config with the seed, rounds and target ε set (and DPFedAvg's one-stage z)."""
+def is_private(config: dict[str, Any]) -> bool:
+    """Whether a config charges an accountant (``callbacks.RDPAccounting``); one without is a
+    non-private reference (no ε)."""
+    return any(str(cb.get("class_path", "")).endswith("RDPAccounting")
+               for cb in (config.get("trainer") or {}).get("callbacks") or [])
+
+
+def make_config(base: Path, *, seed: int, epsilon: float | None, rounds: int | None) -> dict[str, Any]:
+    """The base config with the seed, rounds and target ε set (and DPFedAvg's one-stage z); a
+    non-private config (:func:`is_private`) gets only the seed and rounds (``epsilon`` None)."""
     config = yaml.safe_load(base.read_text())
     config["seed_everything"] = seed
     if rounds is not None:
         config["model"]["num_rounds"] = rounds
+    if not is_private(config):
+        return config
     accounting = _callback(config, "RDPAccounting")
     accounting["target_epsilon"] = epsilon
     algorithm = config["model"]["algorithm"]
@@ -134,9 +151,23 @@ def _cell(values: list[float], key: str) -> str:
                            lambda v: f"{scale * v:.{digits}f}", ddof=0, empty="–")
 
 
+def majority_row(config: Path) -> dict[str, Any]:
+    """The majority-label row: each client predicts its training split's most frequent label
+    (:func:`fedfdp.experiments.baselines.majority_label_baseline` on ``config``'s split), scored on
+    its test split, with the clustered table's group accuracies; nothing is trained or released."""
+    from callbacks.cluster_metrics import group_accuracies
+    from fedfdp.experiments.baselines import datamodule_from_config, majority_label_baseline
+
+    datamodule = datamodule_from_config(config, labels_only=True)
+    accuracy = majority_label_baseline(datamodule)["client_accuracy"]
+    groups = group_accuracies(accuracy, np.asarray(datamodule.client_cluster),
+                              list(getattr(datamodule, "minority_clusters", [])))
+    return {"method": MAJORITY, "target": None, "seed": None, **groups, "epsilon": None}
+
+
 def write_table(rows: list[dict[str, Any]], out: Path) -> str:
     """``results.csv`` (per run) and ``table.md`` (mean ± std over seeds per ε and method)."""
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(key for row in rows for key in row))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
@@ -145,55 +176,65 @@ def write_table(rows: list[dict[str, Any]], out: Path) -> str:
              "|---|---|" + "---|" * (len(COLUMNS) + 1)]
     for (eps,), same_eps in group_rows(rows, "target").items():
         for (method,), group in group_rows(same_eps, "method").items():
-            cells = [_cell([r[k] for r in group], k) for k, _ in COLUMNS]
-            lines.append(f"| {eps:g} | {LABELS.get(method, method)} | " + " | ".join(cells) + f" | {len(group)} |")
+            cells = [_cell([r.get(k) for r in group], k) for k, _ in COLUMNS]
+            seeds = "–" if method == MAJORITY else str(len(group))
+            lines.append(f"| {'no DP' if eps is None else format(eps, 'g')} | {LABELS.get(method, method)} | "
+                         + " | ".join(cells) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     return table
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every (ε, method, seed) and write the table."""
+    """Run every (ε, method, seed) (a non-private method once per seed) and write the table."""
     out = Path(args.out or f"runs/rcdpfl-table/{args.dataset}")
     methods = list(args.methods)
-    bases = {method: Path("configs/rcdpfl") / f"{args.dataset}_{method}.yaml" for method in methods}
+    # the majority label reads the split of the dataset's local config
+    bases = {method: Path("configs/rcdpfl") / f"{args.dataset}_{'local' if method == MAJORITY else method}.yaml"
+             for method in methods}
     for method, base in bases.items():
         if not base.exists():
             message(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
                     f"methods: {' '.join(LABELS)})")
             return 2
+    private = {m: is_private(yaml.safe_load(base.read_text())) for m, base in bases.items() if m != MAJORITY}
+    jobs = [(f"{args.dataset}_{m}_eps{eps:g}_s{seed}", m, eps, seed)
+            for eps in args.epsilons for m in methods if private.get(m) for seed in args.seeds]
+    jobs += [(f"{args.dataset}_{m}_s{seed}", m, None, seed)
+             for m in methods if private.get(m) is False for seed in args.seeds]
     launcher = runner(args.nice)
     rows: list[dict[str, Any]] = []
     failed = 0
-    for eps in args.epsilons:
-        for method in methods:
-            for seed in args.seeds:
-                name = f"{args.dataset}_{method}_eps{eps:g}_s{seed}"
-                if args.dry_run:
-                    for spec in launcher.pending([run_spec(out, name, args.override)]):
-                        print_command(launcher.command(spec))
-                    continue
-                spec = run_spec(out, name, args.override, lambda base=bases[method], seed=seed, eps=eps: make_config(
-                    base, seed=seed, epsilon=eps, rounds=args.rounds))
-                try:
-                    result = launcher.run(spec)
-                except ConfigError as err:
-                    message(f"error: rcdpfl-table: {name}: {err}")
-                    return 2
-                summary = finished_summary(spec.run_dir)  # only complete runs are tabulated
-                # keep going: one failed (or incomplete) run must not lose the others
-                if result.status in ("failed", "incomplete") or summary is None:
-                    message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
-                            f"(see {result.log})")
-                    failed += 1
-                    continue
-                wall = result.wall_seconds
-                rows.append({"method": method, "target": eps, "seed": seed, **_row(summary), "wall_seconds": wall})
-                output(f"{name}: All {100 * rows[-1]['acc_all']:.1f} Min {100 * rows[-1]['acc_minority']:.1f} "
-                       f"eps {rows[-1]['epsilon']:.3f} ({wall:.0f} s)")
-                if rows[-1]["epsilon"] is not None and rows[-1]["epsilon"] > eps + 1e-9:
-                    message(f"error: {name} spent epsilon {rows[-1]['epsilon']} > target {eps}")
-                    return 1
+    for name, method, eps, seed in jobs:
+        if args.dry_run:
+            for spec in launcher.pending([run_spec(out, name, args.override)]):
+                print_command(launcher.command(spec))
+            continue
+        spec = run_spec(out, name, args.override, lambda base=bases[method], seed=seed, eps=eps: make_config(
+            base, seed=seed, epsilon=eps, rounds=args.rounds))
+        try:
+            result = launcher.run(spec)
+        except ConfigError as err:
+            message(f"error: rcdpfl-table: {name}: {err}")
+            return 2
+        summary = finished_summary(spec.run_dir)  # only complete runs are tabulated
+        # keep going: one failed (or incomplete) run must not lose the others
+        if result.status in ("failed", "incomplete") or summary is None:
+            message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
+                    f"(see {result.log})")
+            failed += 1
+            continue
+        wall = result.wall_seconds
+        rows.append({"method": method, "target": eps, "seed": seed, **_row(summary), "wall_seconds": wall})
+        spent = rows[-1]["epsilon"]
+        output(f"{name}: All {100 * rows[-1]['acc_all']:.1f} Min {100 * rows[-1]['acc_minority']:.1f} "
+               f"eps {'none (no DP)' if spent is None else f'{spent:.3f}'} ({wall:.0f} s)")
+        if eps is not None and (spent is None or spent > eps + 1e-9):
+            message(f"error: {name} spent epsilon {spent} > target {eps}" if spent is not None else
+                    f"error: {name} has no spent epsilon although its config has an accountant (target {eps})")
+            return 1
+    if MAJORITY in methods and not args.dry_run:
+        rows.append(majority_row(bases[MAJORITY]))
     if rows:
         output(write_table(rows, out))
     return 1 if failed else 0
