@@ -202,17 +202,25 @@ def _algorithm(config: str) -> dict:
     return yaml.safe_load((REPO / config).read_text())["model"]["algorithm"]
 
 
-@pytest.mark.parametrize("dataset", ["fmnist", "fmnist_cnn"])
+def _finp_datasets() -> list[str]:
+    from fedfdp.experiments.finp import DATASETS
+
+    return sorted(DATASETS)
+
+
+@pytest.mark.parametrize("dataset", _finp_datasets())
 def test_each_client_alone_rows_keep_the_tables_loop_split_and_dp_mechanism(dataset):
-    """The references of a FinP table change only what makes them references: the same net, local
-    optimiser, split and rounds as FinP's config; alone without DP runs FinP's local loop (lr, epochs,
-    batch), alone with DP-SGD the DP rows' mechanism (q, C, σ, steps, lr), charged (an accountant);
-    neither has an audit, as nothing leaves a client."""
+    """Every FinP table has each client alone without DP, and with DP-SGD where it has DP rows. The
+    references change only what makes them references: the same net, local optimiser, split and
+    rounds as FinP's config; alone without DP runs FinP's local loop (lr, epochs, batch), alone with
+    DP-SGD the DP rows' mechanism (q, C, σ, steps, lr), charged (an accountant); neither has an
+    audit, as nothing leaves a client."""
     from fedfdp.experiments.finp import DATASETS
 
     data = DATASETS[dataset]
+    assert data.local_config is not None and (data.local_dp_config is None) == (data.dp_config is None)
     finp = yaml.safe_load((REPO / data.config).read_text())
-    for config in (data.local_config, data.local_dp_config):
+    for config in filter(None, (data.local_config, data.local_dp_config)):
         local = yaml.safe_load((REPO / config).read_text())
         assert local["model"]["client"] == finp["model"]["client"] and local["data"] == finp["data"]
         assert local["model"]["num_rounds"] == finp["model"]["num_rounds"]
@@ -223,6 +231,8 @@ def test_each_client_alone_rows_keep_the_tables_loop_split_and_dp_mechanism(data
     assert alone["class_path"] == "fedfdp.algorithms.LocalOnly"
     assert {k: alone["init_args"][k] for k in ("lr", "local_epochs", "batch_size")} == \
         {k: loop[k] for k in ("lr", "local_epochs", "batch_size")}
+    if data.dp_config is None:
+        return
     alone_dp, dp = _algorithm(data.local_dp_config), _algorithm(data.dp_config)["init_args"]
     assert alone_dp["class_path"] == "fedfdp.algorithms.DPLocalOnly"
     mechanism = ("lr", "sample_rate", "max_grad_norm", "noise_multiplier", "local_steps")

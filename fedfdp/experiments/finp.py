@@ -79,7 +79,8 @@ DATASETS: dict[str, Dataset] = {
     "fmnist_cnn": Dataset("configs/finp_fmnist_cnn.yaml", SAME_LOOP_FEDAVG, "configs/finp_fmnist_cnn_dp.yaml",
                           local_config="configs/finp_fmnist_cnn_local.yaml",
                           local_dp_config="configs/finp_fmnist_cnn_local_dp.yaml"),
-    "synthetic_har": Dataset("configs/finp_synthetic_har.yaml", SAME_LOOP_FEDAVG),
+    "synthetic_har": Dataset("configs/finp_synthetic_har.yaml", SAME_LOOP_FEDAVG,
+                             local_config="configs/finp_synthetic_har_local.yaml"),
 }
 # row name -> (group, label, config kind, overrides); {beta}, {dp_beta}, {sigma}: the dataset's values
 ROWS: dict[str, tuple[str, str, str, list[str]]] = {
