@@ -82,14 +82,20 @@ def test_finished_runs_are_skipped_without_a_launch_or_a_config(tmp_path, no_lau
         assert not (spec.run_dir / "harness.json").exists() and not spec.config.exists()
 
 
-def test_command_seeds_nices_and_resumes_from_the_last_checkpoint(tmp_path):
+def test_command_seeds_nices_checkpoints_every_round_and_resumes_from_the_last_checkpoint(tmp_path):
+    """A harness run checkpoints every round (a kill then replays, and charges again, at most the
+    round it cut) unless its arguments choose otherwise, in either spelling."""
     spec = RunSpec(run_dir=tmp_path / "run", config=tmp_path / "c.yaml", seed=3, args=("--a", "b"))
     fit = [sys.executable, "-m", "fedfdp.fit", "--config", str(spec.config), "--run_dir", str(spec.run_dir)]
-    assert Runner().command(spec) == [*fit, "--seed_everything", "3", "--a", "b"]
-    assert Runner(niceness=7).command(RunSpec(spec.run_dir, spec.config)) == ["nice", "-n", "7", *fit]
+    every_round = ["--checkpoint_every", "1"]
+    assert Runner().command(spec) == [*fit, "--seed_everything", "3", "--a", "b", *every_round]
+    assert Runner(niceness=7).command(RunSpec(spec.run_dir, spec.config)) == ["nice", "-n", "7", *fit, *every_round]
+    for chosen in (("--checkpoint_every", "5"), ("--checkpoint_every=5",)):
+        cmd = Runner().command(RunSpec(spec.run_dir, spec.config, args=chosen))
+        assert cmd[-len(chosen):] == list(chosen) and cmd.count("1") == 0
     (spec.run_dir / "checkpoints").mkdir(parents=True)
     (spec.run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
-    assert Runner().command(spec)[-4:] == ["--a", "b", "--ckpt_path", "last"]
+    assert Runner().command(spec)[-6:] == ["--a", "b", *every_round, "--ckpt_path", "last"]
 
 
 def test_a_launch_writes_its_config_log_and_harness_and_reports_failure(tmp_path, monkeypatch):

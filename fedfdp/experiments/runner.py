@@ -13,7 +13,15 @@ runs as :class:`RunSpec` values and hands them to a :class:`Runner`, which for e
   to ``<run_dir>.stale-<unix time>`` and starts it again (``fedfdp.fit`` refuses to start over
   results), and moves it back if the fit then refuses to start;
 * otherwise starts it: one subprocess ``[nice -n N] python -m fedfdp.fit --config C --run_dir D
-  [--seed_everything K] ARGS [--ckpt_path last]``.
+  [--seed_everything K] ARGS --checkpoint_every 1 [--ckpt_path last]``.
+
+``--checkpoint_every 1`` (unless ARGS set it): these runs are long and get killed (a session's
+end, a preempted job). A resumed run replays the rounds since its last checkpoint, and the
+crash-proof ledger keeps their first releases charged, so with the fit's default (a checkpoint
+every ``eval_every`` rounds) each kill cost up to ``eval_every − 1`` rounds of budget (measured: a
+local DP-SGD run of Table V killed after round 45 with its checkpoint at 39 charged rounds 40-45
+twice and ended at 177 of 183 rounds). A checkpoint a round costs nothing measurable for these
+models (docs/privacy.md, ``benchmarks/checkpoint.py``).
 
 Like ``fedfdp.fit``, the runner changes no file of the run directory before the fit has accepted
 the start (:mod:`fedfdp.experiments.staging`): a config the spec makes (:attr:`RunSpec.make_config`)
@@ -139,6 +147,8 @@ class Runner:
         if spec.seed is not None:
             cmd += ["--seed_everything", str(spec.seed)]
         cmd += list(spec.args)
+        if not any(arg.split("=", 1)[0] == "--checkpoint_every" for arg in spec.args):
+            cmd += ["--checkpoint_every", "1"]  # a kill replays (and charges again) at most the round it cut
         if resumable(spec.run_dir):
             cmd += ["--ckpt_path", "last"]
         return cmd
