@@ -105,7 +105,8 @@ if [ "$step" = finp_cnn ]; then
   wait_s=${2:?usage: gpu_session.sh finp_cnn SECONDS}
   # measured on the CPU (2026-11-28): a main row's round is 5 local epochs of Adam at batch 64 on
   # HuCNN, about 3,500 steps (110 s a round here, 37 min a run); a DP row's round 10 DP steps a client
-  rows="baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala dpfedavg dpfinp_server_ala dpfinp_ala_b0.1 dpfinp_ala local local_dp"
+  rows="baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala dpfedavg dpfinp_server_ala dpfinp_ala_b0.1 local local_dp"
+  # (no dpfinp_ala: the CNN DP config's own β is 0.1, so it is dpfinp_ala_b0.1 again; finp-table drops it)
   alive() { [ -f /tmp/finp_$1.pid ] && kill -0 "$(cat /tmp/finp_$1.pid)" 2>/dev/null; }
   for row in $rows; do for seed in 0 1 2; do
     alive "${row}_$seed" || { setsid nohup python3 -m fedfdp.experiments finp-table --dataset fmnist_cnn --rows "$row" \
@@ -115,7 +116,7 @@ if [ "$step" = finp_cnn ]; then
   any_alive() { for f in /tmp/finp_*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && return 0; done; return 1; }
   while [ $(( $(date +%s) - start )) -lt "$wait_s" ] && any_alive; do sleep 5; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-  echo "finp_cnn: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/finp_cnn/*/seed*/summary.json 2>/dev/null | wc -l) of 36"
+  echo "finp_cnn: $(( $(date +%s) - start )) s; finished: $(grep -l -E '"status": "(completed|budget_spent)"' runs/finp_cnn/*/seed*/summary.json 2>/dev/null | wc -l) of 33"
   # after every run has finished, on this machine: python -m fedfdp.experiments finp-table --dataset fmnist_cnn
   #   --rows main,dp,alone --seeds 0 1 2 --out runs/finp_cnn  (skips the finished runs, writes the table)
   tar -czf "$out/finp_cnn_runs.tgz" --exclude=checkpoints --exclude=plots --exclude='*.stale-*' runs/finp_cnn

@@ -186,10 +186,15 @@ def test_finp_table_cnn_rows_use_the_cnn_configs_and_label_their_own_beta(tmp_pa
 
     assert main(["finp-table", "--dataset", "fmnist_cnn", "--rows", "baseline,finp_pca,dp", "--out", str(tmp_path),
                  "--dry_run"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if "fedfdp.fit" in line]
-    assert len(lines) == 2 + 4  # baseline, finp_pca and the four DP rows; FedFDP has no CNN config
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if "fedfdp.fit" in line]
+    # baseline, finp_pca and three DP rows: FedFDP has no CNN config, and dpfinp_ala (the DP config's
+    # own β, 0.1 for the CNN) is dpfinp_ala_b0.1 run again, so it is run and tabulated once
+    assert len(lines) == 2 + 3
     assert all("finp_fmnist_cnn" in line for line in lines)
-    assert sum("finp_fmnist_cnn_dp.yaml" in line for line in lines) == 4
+    assert sum("finp_fmnist_cnn_dp.yaml" in line for line in lines) == 3
+    assert not any("/dpfinp_ala/" in line for line in lines)
+    assert "row dpfinp_ala trains the same configuration as row dpfinp_ala_b0.1" in captured.err
     baseline = next(line for line in lines if "/baseline/" in line)
     assert "client_reg false" in baseline and "server_agg size_fedavg" in baseline
     cnn = yaml.safe_load((REPO / DATASETS["fmnist_cnn"].config).read_text())["model"]["algorithm"]["init_args"]

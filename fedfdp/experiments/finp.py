@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments.identity import distinct_rows
 from fedfdp.experiments.results import finished_summary
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.privacy.sia_metrics import convergence_round
@@ -148,6 +149,16 @@ def run_spec(name: str, seed: int, out: Path, rounds: int | None, dataset: str =
     return RunSpec(run_dir=out / name / f"seed{seed}", config=Path(config), seed=seed, args=tuple(args))
 
 
+def distinct_table_rows(rows: list[str], seed: int, out: Path, rounds: int | None,
+                        dataset: str) -> tuple[list[str], dict[str, str]]:
+    """``rows`` without those that train an earlier row's configuration on ``dataset`` (a row whose
+    override restates the config's value, e.g. ``dpfinp_ala_b0.1`` where the DP config's β is 0.1),
+    and ``{dropped: the row it repeats}``; the majority row trains nothing and is always kept."""
+    trained = [r for r in rows if ROWS[r][2] != MAJORITY]
+    kept, same = distinct_rows(trained, lambda name: run_spec(name, seed, out, rounds, dataset))
+    return [r for r in rows if r not in same], same
+
+
 def row_label(name: str, dataset: str) -> str:
     """Row ``name``'s label with the dataset's β and σ."""
     return ROWS[name][1].format(**DATASETS[dataset].label_values())
@@ -200,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     data = DATASETS[args.dataset]
     rows = [r for r in rows if data.path(ROWS[r][2]) is not None]  # rows the dataset has no config for
+    rows, repeated = distinct_table_rows(rows, seeds[0], out, args.rounds, args.dataset)
+    for name, same in repeated.items():
+        message(f"finp-table: row {name} trains the same configuration as row {same} on --dataset "
+                f"{args.dataset}: run and tabulated once, as {same}")
     runner = Runner(env={"WANDB_MODE": "disabled"})
     trained = [r for r in rows if ROWS[r][2] != MAJORITY]
     specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in trained for seed in seeds}
