@@ -167,6 +167,27 @@ def _index_module():
     return index
 
 
+def _data_classes() -> list[str]:
+    classes = set()
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        data = (yaml.safe_load(path.read_text()) or {}).get("data")
+        if isinstance(data, dict) and "class_path" in data:
+            classes.add(data["class_path"].rsplit(".", 1)[-1])
+    return sorted(classes)
+
+
+@pytest.mark.parametrize("data_class", _data_classes())
+def test_every_shipped_data_class_has_an_index_dataset(data_class):
+    """The index names a run's dataset from its config's data class, RC-DPFL's clustered ones too
+    (``ClusteredMNISTDataModule`` is ``mnist``, as the issue's ``dataset`` column asks): every data
+    class a shipped config uses, generated from configs/, gets a short name, the MNIST family
+    ``mnist`` or ``fmnist``."""
+    name = _index_module().dataset_name(data_class)
+    assert name.islower() and "datamodule" not in name, (data_class, name)
+    if "MNIST" in data_class:
+        assert name == ("fmnist" if "Fashion" in data_class else "mnist"), (data_class, name)
+
+
 def test_add_commits_the_finished_runs_of_every_harness_tree(tmp_path):
     """``index.py add`` reads the trees of the paper tables, finp-table and rcdpfl-table: each
     finished run lands in ``<dest>/<name>/seed<k>`` with its files (logs gzipped); unfinished runs
