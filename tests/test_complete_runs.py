@@ -291,3 +291,42 @@ def test_a_shipped_64_trial_config_is_its_studys_winner(config_path):
     study = config_path.stem.removeprefix("fmnist_").removesuffix("_64trials")
     best = REPO / "docs" / "complete_runs" / "tuning" / "ranked" / study / "best.yaml"
     assert yaml.safe_load(config_path.read_text()) == yaml.safe_load(best.read_text())
+
+
+RCDPFL_LR = sorted((REPO / "docs" / "complete_runs" / "tuning" / "rcdpfl_lr").glob("*/best.json"))
+RCDPFL_LR_SETTINGS = {"mnist": "MNIST, ε = 5", "digits": "digits, ε = 2"}
+RCDPFL_LR_LABELS = {"local": "each client alone, DP-SGD", "rcdpfl": "RC-DPFL", "dpfedavg": "DPFedAvg"}
+
+
+def _results_row(prefix: str) -> list[str]:
+    row = next(line for line in RESULTS.read_text().splitlines() if line.replace("**", "").startswith(prefix))
+    return [cell.strip().replace("**", "") for cell in row.strip().strip("|").split("|")]
+
+
+@pytest.mark.parametrize("best_path", RCDPFL_LR, ids=lambda p: p.parent.name)
+def test_the_rcdpfl_lr_grid_ran_every_point_and_results_show_what_it_found(best_path, tmp_path):
+    """docs/results.md's "both tuned on one plain lr grid": each committed study ran every lr of the
+    grid once, its chosen lr is its best trial, the validation row shows the study's values, and
+    the test row is the chosen lr's rcdpfl-table output (test_at_chosen_lr.md)."""
+    from optuna.trial import TrialState
+
+    name, best, study = _committed_study(best_path, tmp_path)
+    key = "model.algorithm.init_args.lr"
+    grid = yaml.safe_load((best_path.parent.parent / "lr_grid.yaml").read_text())[key]["choices"]
+    complete = {t.params[key]: t.value for t in study.trials if t.state == TrialState.COMPLETE}
+    assert sorted(complete) == sorted(grid) and len(study.trials) == len(grid), name
+    assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
+    assert best["val_fraction"] == 0.1 and best["objective"] == "val_accuracy" and best["last"] == 1
+
+    dataset, method = name.split("_", 1)
+    setting, label = RCDPFL_LR_SETTINGS[dataset], RCDPFL_LR_LABELS[method]
+    validation = _results_row(f"| {setting} | {label} |")
+    assert [float(cell) for cell in validation[2:2 + len(grid)]] == [
+        pytest.approx(100 * complete[lr], abs=0.051) for lr in grid], name
+    assert validation[2 + len(grid)].split()[0] == f"{best['params'][key]:g}", name
+
+    tested = (best_path.parent / "test_at_chosen_lr.md").read_text().splitlines()
+    tested_row = [c.strip() for c in next(line for line in tested if line.startswith("| ")
+                                          and not line.startswith("| ε")).strip().strip("|").split("|")]
+    shown = _results_row(f"| {setting} | {label} ({best['params'][key]:g}) |")
+    assert shown[2:6] == tested_row[2:6], name  # All, Maj, Min, MinAcc
