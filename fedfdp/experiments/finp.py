@@ -155,7 +155,7 @@ def distinct_table_rows(rows: list[str], seed: int, out: Path, rounds: int | Non
     override restates the config's value, e.g. ``dpfinp_ala_b0.1`` where the DP config's β is 0.1),
     and ``{dropped: the row it repeats}``; the majority row trains nothing and is always kept."""
     trained = [r for r in rows if ROWS[r][2] != MAJORITY]
-    kept, same = distinct_rows(trained, lambda name: run_spec(name, seed, out, rounds, dataset))
+    _, same = distinct_rows(trained, lambda name: run_spec(name, seed, out, rounds, dataset))
     return [r for r in rows if r not in same], same
 
 

@@ -16,13 +16,13 @@ config only); two it calls the same do train alike.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
 
 from fedfdp.experiments.runner import RunSpec
+from fedfdp.experiments.search_space import apply_overrides
 
 K = TypeVar("K")
 
@@ -59,30 +59,24 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
-def _set(config: dict[str, Any], key: str, value: Any) -> None:
-    """Set dotted ``key``; a class node (a mapping with ``class_path``) given a name gets that class_path."""
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    target = node.get(leaf)
-    if isinstance(target, dict) and "class_path" in target and isinstance(value, str):
-        target["class_path"] = value
-    else:
-        node[leaf] = copy.deepcopy(value)
+def _class_path_keys(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with a class name given to a class node (a mapping with ``class_path``) turned
+    into that node's ``<key>.class_path``, as jsonargparse reads ``--model.algorithm <class>``."""
+    resolved = {}
+    for key, value in overrides.items():
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        is_class_node = isinstance(node, dict) and "class_path" in node and isinstance(value, str)
+        resolved[f"{key}.class_path" if is_class_node else key] = value
+    return resolved
 
 
 def trained_config(spec: RunSpec) -> dict[str, Any]:
     """The config ``spec`` trains: its YAML (``make_config``'s when it has one), its seed, its overrides."""
     base = spec.make_config() if spec.make_config is not None else yaml.safe_load(spec.config.read_text())
-    config = copy.deepcopy(dict(base))
-    if spec.seed is not None:
-        config["seed_everything"] = spec.seed
-    for key, value in parse_overrides(spec.args).items():
-        _set(config, key, value)
-    return config
+    config = apply_overrides(dict(base), {} if spec.seed is None else {"seed_everything": spec.seed})
+    return apply_overrides(config, _class_path_keys(config, parse_overrides(spec.args)))
 
 
 def distinct_rows(names: Sequence[K], spec_of: Callable[[K], RunSpec]) -> tuple[list[K], dict[K, K]]:
