@@ -50,3 +50,17 @@ def pytest_collection_modifyitems(config, items):
         for keyword, skip in skips:
             if keyword in item.keywords:
                 item.add_marker(skip)
+
+
+def saved_run(tmp_path: Path, config: Path, *args: str, name: str = "saved") -> Path:
+    """``tmp_path/name``: a run directory holding the ``config.yaml`` that ``fedfdp.fit --config config
+    args`` saves (the resolved config; parsed and built in this process, nothing fitted)."""
+    import yaml
+
+    from fedfdp.cli.parser import build_cli
+
+    cli = build_cli(["--config", str(config), "--run_dir", str(tmp_path / f"{name}.built"), *args])
+    run = tmp_path / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(cli._dump(cli.config), sort_keys=False))
+    return run

@@ -10,9 +10,11 @@ import pytest
 import yaml
 
 from fedfdp.experiments import finp, paper_tables, rcdpfl
-from fedfdp.experiments.identity import distinct_rows, parse_overrides, same_runs, trained_config
+from fedfdp.experiments.identity import (
+    distinct_rows, parse_overrides, same_runs, saved_config_differences, trained_config,
+)
 from fedfdp.experiments.runner import RunSpec
-from tests.conftest import REPO
+from tests.conftest import REPO, saved_run
 
 BASE = {"seed_everything": 0,
         "model": {"algorithm": {"class_path": "fedfdp.algorithms.DPFinP", "init_args": {"beta": 0.1, "lr": 1e-3}},
@@ -112,3 +114,46 @@ def test_paper_table_methods_are_distinct_runs_in_every_column(table, tmp_path):
     assert runs
     for column, group in itertools.groupby(sorted(runs, key=lambda r: r.column.label), key=lambda r: r.column.label):
         _assert_distinct({run.method: run.spec(None, ()) for run in group}, f"{table} {column}")
+
+
+# ---- a finished run against what its spec asks for (saved_config_differences) ----------------------
+TINY = REPO / "tests" / "configs" / "tiny_dpfedavg.yaml"
+LR = "model.algorithm.init_args.lr"
+
+
+@pytest.mark.parametrize("args", [
+    (),
+    ("--model.algorithm.init_args.lr", "0.5"),   # the run was launched with this override
+    ("--model.algorithm.lr=0.5",),               # the spelling without init_args
+    ("--model.algorithm.init_args.lr", "5e-1"),  # exponent spelling (a string to YAML 1.1)
+    ("--model.algorithm", "fedfdp.algorithms.DPFedAvg", "--model.algorithm.init_args.lr", "0.5"),  # its own class
+    ("--model.algorithm", "DPFedAvg", "--model.algorithm.init_args.lr", "0.5"),  # a bare class name
+    ("--trainer.enable_progress_bar", "true", "--wandb", "disabled", "--model.algorithm.init_args.lr", "0.5",
+     "--data.init_args.seed", "0"),  # logging options (HARMLESS) and a restated value
+])
+def test_a_finished_run_agrees_with_every_spelling_of_its_own_configuration(tmp_path, args):
+    run = saved_run(tmp_path, TINY, "--model.algorithm.init_args.lr", "0.5")
+    if not args:  # the config's own lr 1.0 is not the run's 0.5
+        assert saved_config_differences(RunSpec(run, TINY, seed=0)) == [f"{LR}: the run trained 0.5, asked 1.0"]
+        return
+    assert saved_config_differences(RunSpec(run, TINY, seed=0, args=args)) == []
+
+
+@pytest.mark.parametrize("args,seed,path", [
+    (("--model.algorithm.init_args.lr", "0.25"), 0, LR),
+    (("--model.algorithm.lr", "0.25"), 0, LR),
+    ((), 1, "seed_everything"),
+    (("--model.algorithm", "fedfdp.algorithms.DPFedAvgAdaClip"), 0, "model.algorithm.class_path"),
+    (("--model.num_rounds", "3"), 0, "model.num_rounds"),
+    (("--data.init_args.num_clients", "4"), 0, "data.init_args.num_clients"),
+    (("--trainer.callbacks", '[{"class_path": "callbacks.RDPAccounting"}, {"class_path": "callbacks.RDPAccounting"}]'),
+     0, "trainer.callbacks"),  # another number of callbacks
+])
+def test_a_finished_run_differs_from_a_spec_that_changes_anything(tmp_path, args, seed, path):
+    run = saved_run(tmp_path, TINY)
+    diffs = saved_config_differences(RunSpec(run, TINY, seed=seed, args=args))
+    assert len(diffs) == 1 and diffs[0].startswith(f"{path}:"), diffs
+
+
+def test_a_run_without_a_saved_config_has_nothing_to_differ(tmp_path):
+    assert saved_config_differences(RunSpec(tmp_path / "none", TINY)) == []

@@ -91,6 +91,18 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     with caplog.at_level("INFO", logger="fedfdp.experiments.paper_tables"):
         assert main(args) == 0  # everything finished: nothing is run again
     assert "2 finished, 0 to run" in caplog.text
+    # a config edited after its runs finished: they are not its runs (neither tabulated nor run again)
+    dp["model"]["algorithm"]["init_args"]["lr"] = 0.5
+    (configs / "fmnist_scaffold_dp.yaml").write_text(yaml.safe_dump(dp))
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="fedfdp.experiments.runner"):
+        assert main(args) == 1
+    (error,) = caplog.messages
+    assert "scaffold_dp/seed0 holds a run of another configuration" in error
+    assert "model.algorithm.init_args.lr: the run trained 1.0, asked 0.5" in error
+    md = (out / "table4.md").read_text()
+    assert "| FedFDP |" in md and "| SCAFFOLD |" not in md
 
 
 def test_each_client_alone_takes_every_private_columns_epsilon_sigma_and_split(tmp_path):

@@ -17,7 +17,7 @@ from fedfdp.experiments.results import (
 )
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.fit import main as fit_main
-from tests.conftest import REPO
+from tests.conftest import REPO, saved_run
 
 TINY = REPO / "tests" / "configs" / "tiny_dpfedavg.yaml"
 
@@ -80,6 +80,35 @@ def test_finished_runs_are_skipped_without_a_launch_or_a_config(tmp_path, no_lau
         result = runner.run(spec)
         assert result.status == "skipped" and result.finished and result.wall_seconds == 0.0
         assert not (spec.run_dir / "harness.json").exists() and not spec.config.exists()
+
+
+def test_a_finished_run_of_another_configuration_is_refused_not_skipped(tmp_path, no_launch, caplog):
+    """A finished run is skipped only when it trained what the spec asks for: a changed override on
+    the same --out (here the lr) used to be skipped as finished and tabulated with the old run's
+    numbers. Now it is refused with one error line naming the difference, not launched, not changed,
+    and its summary is not handed back to be tabulated."""
+    run = saved_run(tmp_path, TINY, "--model.algorithm.init_args.lr", "0.5", name="seed0")
+    _summary(run, "completed")
+    (run / "harness.json").write_text(json.dumps({"command": ["fit"], "returncode": 0, "wall_seconds": 7.5}))
+    before = {f: f.read_bytes() for f in run.iterdir()}
+    runner = Runner()
+    same = RunSpec(run, TINY, seed=0, args=("--model.algorithm.init_args.lr", "0.5"))
+    assert runner.run(same).status == "skipped" and runner.run(same).wall_seconds == 7.5  # the recorded wall time
+    for args, seed, named in [(("--model.algorithm.init_args.lr", "0.25"), 0, "model.algorithm.init_args.lr"),
+                              ((), 0, "model.algorithm.init_args.lr"),  # the config's own lr 1.0
+                              (("--model.algorithm.init_args.lr", "0.5"), 1, "seed_everything")]:
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="fedfdp.experiments.runner"):
+            result = runner.run(RunSpec(run, TINY, seed=seed, args=args))
+        assert (result.status, result.returncode, result.summary) == ("failed", 2, None)
+        (line,) = caplog.messages
+        assert result.error_line == line  # what a harness reports for it
+        assert line.startswith(f"error: {run} holds a run of another configuration") and f"{named}: the run" in line
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="fedfdp.experiments.runner"):
+            assert runner.pending([RunSpec(run, TINY, seed=seed, args=args)]) == []  # a dry run says so too
+        assert caplog.messages == [line]
+    assert {f: f.read_bytes() for f in run.iterdir()} == before
 
 
 def test_command_seeds_nices_checkpoints_every_round_and_resumes_from_the_last_checkpoint(tmp_path):

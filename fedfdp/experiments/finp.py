@@ -28,7 +28,7 @@ import yaml
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.identity import distinct_rows
 from fedfdp.experiments.results import finished_summary
-from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
+from fedfdp.experiments.runner import Runner, RunSpec
 from fedfdp.privacy.sia_metrics import convergence_round
 
 
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     for result in runner.run_all(specs.values()):
         if result.status in ("failed", "incomplete"):
             message(f"error: finp-table: {result.spec.run_dir} failed (exit {result.returncode}): "
-                    f"{last_error_line(result.log)} (see {result.log})")
+                    f"{result.error_line} (see {result.log})")
             return result.returncode
     lines = ["| Method | " + " | ".join(label for _, label in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]

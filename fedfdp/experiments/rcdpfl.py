@@ -36,7 +36,7 @@ import yaml
 from fedfdp.errors import ConfigError
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import finished_summary, format_mean_std, group_rows
-from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
+from fedfdp.experiments.runner import Runner, RunSpec
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         summary = finished_summary(spec.run_dir)  # only complete runs are tabulated
         # keep going: one failed (or incomplete) run must not lose the others
         if result.status in ("failed", "incomplete") or summary is None:
-            message(f"error: {name} failed (exit {result.returncode}): {last_error_line(result.log)} "
+            message(f"error: {name} failed (exit {result.returncode}): {result.error_line} "
                     f"(see {result.log})")
             failed += 1
             continue

@@ -4,7 +4,10 @@ Every experiment command (``finp-table``, ``rcdpfl-table``, ``paper-table*``, ``
 runs as :class:`RunSpec` values and hands them to a :class:`Runner`, which for each run
 
 * skips it when its ``summary.json`` says it finished (:func:`fedfdp.experiments.results.is_finished`:
-  status ``completed`` or ``budget_spent``, no client left out);
+  status ``completed`` or ``budget_spent``, no client left out) with the configuration the spec asks
+  for; a finished run whose saved ``config.yaml`` differs from it in anything that changes the run
+  (:func:`fedfdp.experiments.identity.saved_config_differences`) is refused with one ``error:`` line
+  (result ``failed``): its numbers are not the asked run's, and it is left as it is;
 * leaves alone, with one ``error:`` line, a run that ran every round with clients left out
   (``*_with_missing_clients``: a resume cannot add them; result ``incomplete``), and a run
   directory another process holds (result ``failed``);
@@ -52,7 +55,7 @@ from typing import Any, Literal
 import yaml
 
 from fedfdp.errors import ConfigError
-from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary
+from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary, recorded_wall_seconds
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
 from fedfdp.rundir import LOG_NAME, RunLock, RunPaths, run_files
@@ -89,7 +92,9 @@ class RunSpec:
 @dataclass(frozen=True)
 class RunResult:
     """What became of one run: ``skipped`` (already finished), ``ran`` (exit 0), ``failed``, or
-    ``incomplete`` (it ran every round with clients left out: not run again, not a finished run)."""
+    ``incomplete`` (it ran every round with clients left out: not run again, not a finished run).
+    ``wall_seconds``: this launch's, or for a skipped run the one its ``harness.json`` recorded;
+    ``refusal``: the runner's ``error:`` line for a run it did not launch."""
 
     spec: RunSpec
     status: Literal["skipped", "ran", "failed", "incomplete"]
@@ -97,6 +102,12 @@ class RunResult:
     wall_seconds: float = 0.0
     summary: dict[str, Any] | None = None
     log_file: Path | None = None
+    refusal: str | None = None
+
+    @property
+    def error_line(self) -> str:
+        """Why the run failed: the runner's refusal (a run not launched), else its log's last ``error:`` line."""
+        return self.refusal or last_error_line(self.log)
 
     @property
     def finished(self) -> bool:
@@ -154,9 +165,31 @@ class Runner:
         return cmd
 
     def pending(self, specs: Iterable[RunSpec]) -> list[RunSpec]:
-        """The runs of ``specs`` that have not finished (and did not end with clients left out)."""
-        return [spec for spec in specs if not is_finished(summary := read_summary(spec.run_dir))
-                and not ended_with_missing_clients(summary)]
+        """The runs of ``specs`` that have not finished (and did not end with clients left out); for a
+        finished run of another configuration its ``error:`` line is logged (:meth:`other_configuration`)."""
+        todo = []
+        for spec in specs:
+            summary = read_summary(spec.run_dir)
+            if is_finished(summary):
+                self.other_configuration(spec)
+            elif not ended_with_missing_clients(summary):
+                todo.append(spec)
+        return todo
+
+    @staticmethod
+    def other_configuration(spec: RunSpec) -> str | None:
+        """The ``error:`` line (logged) when ``spec.run_dir`` holds a run that trained another
+        configuration than ``spec`` asks for; None when it agrees or holds no saved config."""
+        from fedfdp.experiments.identity import saved_config_differences  # identity imports RunSpec from here
+
+        diffs = saved_config_differences(spec)
+        if not diffs:
+            return None
+        line = (f"error: {spec.run_dir} holds a run of another configuration than the one asked for "
+                f"({'; '.join(diffs[:4])}{f'; and {len(diffs) - 4} more' if len(diffs) > 4 else ''}): its results "
+                f"are not this run's; move it aside (or use another --out) to run the one asked for")
+        logger.error("%s", line)
+        return line
 
     def run(self, spec: RunSpec) -> RunResult:
         """Run (or resume) one run; skip it when it has finished. Changes no file of the run directory
@@ -260,8 +293,11 @@ class Runner:
         (incomplete), or its directory held by another process (failed); None to launch it."""
         summary = read_summary(spec.run_dir)
         if is_finished(summary):
+            refusal = self.other_configuration(spec)  # (an unfinished one: the fit's resume check refuses it)
+            if refusal is not None:
+                return RunResult(spec, "failed", 2, refusal=refusal)
             logger.info("skip %s (finished)", spec.run_dir)
-            return RunResult(spec, "skipped", summary=summary)
+            return RunResult(spec, "skipped", wall_seconds=recorded_wall_seconds(spec.run_dir) or 0.0, summary=summary)
         if ended_with_missing_clients(summary):
             missing = summary.get("missing_clients") or {}
             left = "; ".join(f"client {c}: {rounds_phrase(r)}" for c, r in missing.items())
@@ -273,7 +309,7 @@ class Runner:
             RunLock.check_free(spec.run_dir)
         except ConfigError as err:
             logger.error("error: %s", err)
-            return RunResult(spec, "failed", 2, summary=summary)
+            return RunResult(spec, "failed", 2, summary=summary, refusal=f"error: {err}")
         return None
 
     @staticmethod

@@ -36,8 +36,9 @@ checks live in :mod:`fedfdp.experiments.search_space`.
 
 **Sampler.** ``--sampler tpe`` (default): Optuna's TPE, trial 0 at the config's own values.
 ``--sampler grid``: every combination of an all-categorical space once, in a seeded random order
-(Optuna's GridSampler; the study stops when the grid is done): for a few expensive full-length
-trials, where TPE would spend some of them on points it has already run.
+(Optuna's GridSampler; the study stops when the grid is done), also across interrupted and resumed
+sessions (:mod:`fedfdp.experiments.grid_sampler`): for a few expensive full-length trials, where
+TPE would spend some of them on points it has already run.
 
 **Parallel trials.** ``--jobs N`` runs up to N trials at a time, each its own ``fedfdp.fit``
 process (give each a share of the cores, e.g. ``OMP_NUM_THREADS``, or one GPU to several). The
@@ -85,6 +86,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,7 @@ import yaml
 
 from fedfdp.cli.errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments.grid_sampler import grid_sampler, grid_trials_to_ask
 from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
     load_space, sample_overrides,
@@ -144,23 +147,14 @@ def _settings(args: argparse.Namespace) -> Settings:
                     fit_args=list(args.fit_args or []), sampler=args.sampler)
 
 
-def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int, startup_trials: int = 10) -> Any:
+def _sampler(kind: str, space: dict[str, Any], seed: int, trials_so_far: int, startup_trials: int = 10,
+             taken: Sequence[Any] = ()) -> Any:
+    """The study's sampler; ``taken``: trials of another storage whose grid points are held (a dry run)."""
     import optuna
 
     # a fresh seed per session: a resumed study must not draw its first trials' values again
     if kind == "grid":
-        class AskTellGridSampler(optuna.samplers.GridSampler):
-            """GridSampler (a seeded random order, skipping the points the study holds) for ask-and-tell.
-
-            GridSampler ends a study with ``Study.stop()`` after its last point, which Optuna allows
-            only inside ``Study.optimize``: in this ask-and-tell loop it raised after the last value
-            was stored and before ``best.yaml`` was written. The loop stops by counting instead.
-            """
-
-            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
-                return None
-
-        return AskTellGridSampler(grid_space(space), seed=seed + trials_so_far)
+        return grid_sampler(space, seed + trials_so_far, taken)
     return optuna.samplers.TPESampler(seed=seed + trials_so_far, n_startup_trials=startup_trials)
 
 
@@ -186,9 +180,10 @@ def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
             print_command(fit_command(settings, settings.run_dir(t.number, seed), seed, t.user_attrs["overrides"]))
     todo = max(n_trials - done - len(stale), 0)
     if settings.sampler == "grid":
-        todo = min(todo, max(grid_size(settings.space) - len(existing), 0))
+        todo = grid_trials_to_ask(settings.space, existing, n_trials)
     study = optuna.create_study(direction="maximize",
-                                sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(existing)))
+                                sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(existing),
+                                                 taken=existing))
     if not existing and settings.sampler == "tpe":
         base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
         if base:
@@ -327,6 +322,8 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
             # the running trial of the interrupted session, as a Trial of this one (Optuna has no public lookup)
             queue.append((optuna.trial.Trial(study, t._trial_id), dict(t.user_attrs["overrides"])))  # noqa: SLF001
     finished = sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials)
+    if settings.sampler == "grid":  # the trials that run: the interrupted ones, then one per point left
+        n_trials = finished + len(queue) + grid_trials_to_ask(settings.space, study.trials, n_trials)
     # Each trial is a fedfdp.fit subprocess (run_trial); the pool's threads only wait for them. Not
     # Runner.run_all: it takes a fixed list, while a study asks each new trial when a slot frees.
     running: dict[Future[tuple[float | None, dict[str, Any]]], optuna.trial.Trial] = {}
