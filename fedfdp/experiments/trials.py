@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
+from fedfdp.experiments.runner import Runner, RunResult, RunSpec
 from fedfdp.experiments.search_space import VAL_KEY, TuneError, cli_value, override_args
 
 __all__ = ["ROUNDS_KEY", "Settings", "fit_command", "objective_value", "parse_objective", "run_fit", "run_spec",
@@ -124,12 +124,9 @@ def fit_command(settings: Settings, run_dir: Path, seed: int, overrides: dict[st
     return RUNNER.command(run_spec(settings, run_dir, seed, overrides))
 
 
-def run_fit(settings: Settings, run_dir: Path, seed: int,
-            overrides: dict[str, Any]) -> tuple[int, dict[str, Any] | None, Path]:
-    """Run (or resume, or skip when finished) one trial run; returns its exit status, its summary when
-    it finished (not with clients left out), and its log."""
-    result = RUNNER.run(run_spec(settings, run_dir, seed, overrides))
-    return result.returncode, result.summary if result.finished else None, result.log
+def run_fit(settings: Settings, run_dir: Path, seed: int, overrides: dict[str, Any]) -> RunResult:
+    """Run (or resume, or skip when finished) one trial run."""
+    return RUNNER.run(run_spec(settings, run_dir, seed, overrides))
 
 
 def run_trial(settings: Settings, number: int, overrides: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
@@ -144,26 +141,21 @@ def run_trials_together(settings: Settings, trials: list[tuple[int, dict[str, An
     specs = [run_spec(settings, settings.run_dir(number, seed), seed, overrides)
              for number, overrides in trials for seed in settings.seeds]
     results = {spec.run_dir: result for spec, result in zip(specs, RUNNER.run_sweep(specs))}
-
-    def fitted(seed: int, run_dir: Path) -> tuple[int, dict[str, Any] | None, Path]:
-        result = results[run_dir]
-        return result.returncode, result.summary if result.finished else None, result.log
-
-    return [trial_result(settings, number, fitted) for number, _ in trials]
+    return [trial_result(settings, number, lambda seed, run_dir: results[run_dir]) for number, _ in trials]
 
 
-def trial_result(settings: Settings, number: int,
-                 fit: Callable[[int, Path], tuple[int, dict[str, Any] | None, Path]]
+def trial_result(settings: Settings, number: int, fit: Callable[[int, Path], RunResult]
                  ) -> tuple[float | None, dict[str, Any]]:
     """Trial ``number``'s objective (None when a run failed) and notes from ``fit(seed, run_dir)``,
-    which runs (or looks up) each seed's run: its exit status, summary (when finished) and log."""
+    which runs (or looks up) each seed's run."""
     values, notes = [], {"run_dirs": [], "rounds_run": []}
     for seed in settings.seeds:
         run_dir = settings.run_dir(number, seed)
-        code, summary, log = fit(seed, run_dir)
+        result = fit(seed, run_dir)
+        summary = result.summary if result.finished else None
         notes["run_dirs"].append(str(run_dir))
-        if code != 0 or summary is None:
-            notes["error"] = f"exit status {code}: {last_error_line(log)} (see {log})"
+        if result.returncode != 0 or summary is None:
+            notes["error"] = f"exit status {result.returncode}: {result.error_line} (see {result.log})"
             return None, notes
         try:
             values.append(objective_value(summary, settings.terms, settings.last))
