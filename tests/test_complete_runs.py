@@ -295,7 +295,8 @@ def test_a_shipped_64_trial_config_is_its_studys_winner(config_path):
 
 RCDPFL_LR = sorted((REPO / "docs" / "complete_runs" / "tuning" / "rcdpfl_lr").glob("*/best.json"))
 RCDPFL_LR_SETTINGS = {"mnist": "MNIST, ε = 5", "digits": "digits, ε = 2"}
-RCDPFL_LR_LABELS = {"local": "each client alone, DP-SGD", "rcdpfl": "RC-DPFL", "dpfedavg": "DPFedAvg"}
+RCDPFL_LR_LABELS = {"local": "each client alone, DP-SGD", "rcdpfl": "RC-DPFL", "dpfedavg": "DPFedAvg",
+                    "kmcdpfl": "KM-CDPFL", "ifca": "IFCA, private selection"}
 
 
 def _results_row(prefix: str) -> list[str]:
