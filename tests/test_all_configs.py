@@ -14,7 +14,7 @@ from datamodules.federated import FederatedDataModule
 from fedfdp import Federation
 from fedfdp.algorithms import Algorithm
 from fedfdp.cli.parser import build_cli
-from fedfdp.experiments.identity import saved_config_differences
+from fedfdp.experiments.provenance import saved_config_differences
 from fedfdp.experiments.runner import RunSpec
 from fedfdp.rundir import HARMLESS
 from fedfdp.interfaces import is_instance_of

@@ -1,5 +1,6 @@
-"""The rows of a table are distinct runs: what a run trains (fedfdp.experiments.identity), and a
-check generated over every harness's rows on every dataset (FinP, RC-DPFL, the FedFDP paper tables)."""
+"""What a run trains and whether a run directory holds it (fedfdp.experiments.provenance), and the
+rows of a table are distinct runs (fedfdp.experiments.identity): a check generated over every
+harness's rows on every dataset (FinP, RC-DPFL, the FedFDP paper tables)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import pytest
 import yaml
 
 from fedfdp.experiments import finp, paper_tables, rcdpfl
-from fedfdp.experiments.identity import (
-    distinct_rows, parse_overrides, same_runs, saved_config_differences, trained_config,
-)
+from fedfdp.experiments.identity import distinct_rows, same_runs
+from fedfdp.experiments.provenance import parse_overrides, saved_config_differences, trained_config
 from fedfdp.experiments.runner import RunSpec
 from tests.conftest import REPO, saved_run
 

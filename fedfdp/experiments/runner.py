@@ -6,7 +6,7 @@ runs as :class:`RunSpec` values and hands them to a :class:`Runner`, which for e
 * skips it when its ``summary.json`` says it finished (:func:`fedfdp.experiments.results.is_finished`:
   status ``completed`` or ``budget_spent``, no client left out) with the configuration the spec asks
   for; a finished run whose saved ``config.yaml`` differs from it in anything that changes the run
-  (:func:`fedfdp.experiments.identity.saved_config_differences`) is refused with one ``error:`` line
+  (:func:`fedfdp.experiments.provenance.saved_config_differences`) is refused with one ``error:`` line
   (result ``failed``): its numbers are not the asked run's, and it is left as it is;
 * leaves alone, with one ``error:`` line, a run that ran every round with clients left out
   (``*_with_missing_clients``: a resume cannot add them; result ``incomplete``), and a run
@@ -55,6 +55,7 @@ from typing import Any, Literal
 import yaml
 
 from fedfdp.errors import ConfigError
+from fedfdp.experiments.provenance import saved_config_differences
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary, recorded_wall_seconds
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
@@ -180,8 +181,6 @@ class Runner:
     def other_configuration(spec: RunSpec) -> str | None:
         """The ``error:`` line (logged) when ``spec.run_dir`` holds a run that trained another
         configuration than ``spec`` asks for; None when it agrees or holds no saved config."""
-        from fedfdp.experiments.identity import saved_config_differences  # identity imports RunSpec from here
-
         diffs = saved_config_differences(spec)
         if not diffs:
             return None
