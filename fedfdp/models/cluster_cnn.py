@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from fedfdp.models.layers import MaxPool2d
+
 
 class RCDPFLCNN(nn.Module):
     """Table 1 of the paper: Conv(5×5, 16, pad 2) → ReLU → MaxPool2 → Conv(5×5, 32, pad 2) → ReLU → MaxPool2 → Linear.
@@ -19,8 +21,8 @@ class RCDPFLCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, 16, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Conv2d(in_channels, 16, kernel_size=5, padding=2), nn.ReLU(), MaxPool2d(2),
+            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.ReLU(), MaxPool2d(2), nn.Flatten(),
             nn.Linear(32 * (image_size // 4) ** 2, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -41,7 +43,7 @@ class TinyCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 8, channels: int = 16) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, channels, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Conv2d(in_channels, channels, kernel_size=3, padding=1), nn.ReLU(), MaxPool2d(2), nn.Flatten(),
             nn.Linear(channels * (image_size // 2) ** 2, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from fedfdp.models.layers import MaxPool2d
+
 
 class FedAvgCNN(nn.Module):
     """Conv(5x5, 32) → ReLU → MaxPool2 → Conv(5x5, 64) → ReLU → MaxPool2 → FC(512) → ReLU → FC(classes).
@@ -28,10 +30,10 @@ class FedAvgCNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 32, kernel_size=5, padding=padding),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(32, 64, kernel_size=5, padding=padding),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Flatten(),
         )
         side = ((image_size - 4 + 2 * padding) // 2 - 4 + 2 * padding) // 2
@@ -67,8 +69,8 @@ class HuCNN(nn.Module):
                  hidden: tuple[int, int] = (512, 128), padding: int = 0) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, kernel_size=5, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, kernel_size=5, padding=padding), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Conv2d(in_channels, 32, kernel_size=5, padding=padding), nn.ReLU(), MaxPool2d(2),
+            nn.Conv2d(32, 64, kernel_size=5, padding=padding), nn.ReLU(), MaxPool2d(2), nn.Flatten(),
         )
         side = ((image_size - 4 + 2 * padding) // 2 - 4 + 2 * padding) // 2
         first, second = hidden

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from fedfdp.models.layers import MaxPool2d
+
 
 def _group_norm(channels: int, groups: int | None) -> nn.Module:
     """The per-sample GroupNorm (no affine); ``None``: none here (the features were normalised when
@@ -67,8 +69,8 @@ class ScatterCNN(nn.Module):
             raise ValueError(f"model image_size must be >= 4 (two 2x2 poolings), got {image_size}")
         self.features = nn.Sequential(
             _group_norm(in_channels, groups),
-            nn.Conv2d(in_channels, width, kernel_size=3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, kernel_size=3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, width, kernel_size=3, padding=1), nn.Tanh(), MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, kernel_size=3, padding=1), nn.Tanh(), MaxPool2d(2),
             nn.Flatten(),
         )
         self.classifier = nn.Sequential(nn.Linear(2 * width * side * side, hidden), nn.Tanh(),
