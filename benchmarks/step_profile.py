@@ -1,6 +1,6 @@
-"""Where a local step's time goes on the shipped CNNs, and the local optimizers' update paths side by side.
+"""Where a local step's time goes on the shipped CNNs; optimizer paths and FinP's penalty, side by side.
 
-Two parts, both on one CPU thread by default:
+Three parts, on one CPU thread by default:
 
 * ``profile``: a plain SGD step and a DP-SGD step (flat clipping, Gaussian noise, the ghost/materialise
   engine) of one model, timed interleaved (plain, DP, plain, ...; medians), then the torch profiler's
@@ -10,11 +10,14 @@ Two parts, both on one CPU thread by default:
 * ``optimizers``: ``torch.optim.Adam``'s three CPU update paths (the default single-tensor loop,
   ``foreach=True`` and ``fused=True``) on the model's parameters with the same gradients,
   interleaved; whether each gives bitwise the default's parameters after the steps.
+* ``penalty``: FinP's client penalty ``g + β ρ s ∇log L`` (estimator A) added to a step's gradients,
+  by autograd's dense backward through every weight and from the gradient's non-zero rows
+  (:func:`fedfdp.algorithms.finp_math.rownorm_bound_rows`), interleaved; whether they agree bitwise.
 
 Usage::
 
     python benchmarks/step_profile.py [--model RCDPFLCNN] [--batch-size 32] [--repeats 40] [--top 10]
-                                      [--parts profile optimizers]
+                                      [--parts profile optimizers penalty]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
+from fedfdp.algorithms.finp_math import add_bound_gradient, log_lipschitz_bound, rownorm_bound_rows  # noqa: E402
 from fedfdp.client import ClientModule  # noqa: E402
 from fedfdp.models import FedAvgCNN, HuCNN, RCDPFLCNN  # noqa: E402
 from fedfdp.privacy.clipping import FlatClip  # noqa: E402
@@ -139,6 +143,31 @@ def optimizer_paths(model: str, repeats: int) -> None:
         print(f"  {name:<8} {seconds * 1e3:7.3f} ms  speed-up {base / seconds:5.2f}x  {same}")
 
 
+def penalty_paths(model: str, repeats: int) -> None:
+    torch.manual_seed(0)
+    net = MODELS[model]()
+    params = list(net.parameters())
+    grads = [torch.randn_like(p) for p in params]
+    coeff = 0.1 * 0.7  # β ρ s
+
+    def dense() -> list[torch.Tensor]:
+        with torch.enable_grad():
+            extra = torch.autograd.grad(log_lipschitz_bound(net), params, allow_unused=True)
+        return [g if e is None else g + coeff * e for g, e in zip(grads, extra)]
+
+    def rows() -> list[torch.Tensor]:
+        _, found = rownorm_bound_rows(net)
+        return add_bound_gradient(params, grads, found, coeff)
+
+    same = all(torch.equal(a, b) for a, b in zip(dense(), rows()))
+    medians = interleaved({"autograd (dense)": dense, "non-zero rows": rows}, repeats)
+    base = medians["autograd (dense)"]
+    print(f"FinP's penalty gradient on {model} ({sum(p.numel() for p in params):,} parameters), "
+          f"bitwise the same: {same}:")
+    for name, seconds in medians.items():
+        print(f"  {name:<17} {seconds * 1e3:7.3f} ms  speed-up {base / seconds:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="RCDPFLCNN", choices=list(MODELS))
@@ -146,13 +175,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--parts", nargs="+", default=["profile", "optimizers"], choices=["profile", "optimizers"])
+    parts = ["profile", "optimizers", "penalty"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if "profile" in args.parts:
         profile_steps(args.model, args.batch_size, args.repeats, args.top)
     if "optimizers" in args.parts:
         optimizer_paths(args.model, args.repeats)
+    if "penalty" in args.parts:
+        penalty_paths(args.model, args.repeats)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ from torch.func import functional_call
 from callbacks import RDPAccounting, SourceInferenceAudit
 from fedfdp.algorithms import DPFedAvg, DPFinP, FinP
 from fedfdp.algorithms.finp import CURVATURE_RELEASE
-from fedfdp.algorithms.finp_math import (ala_weights, explicit_pca_distances, gram_matrix, hessian_vector_product,
-                                         hutchinson_trace, log_lipschitz_bound, overfitting_rank, pca_distances,
-                                         pca_weights, power_iteration)
+from fedfdp.algorithms.finp_math import (add_bound_gradient, ala_weights, explicit_pca_distances, gram_matrix,
+                                         hessian_vector_product, hutchinson_trace, log_lipschitz_bound,
+                                         overfitting_rank, pca_distances, pca_weights, power_iteration,
+                                         rownorm_bound_rows)
+from fedfdp.algorithms.finp_client import RegularisedClient
+from fedfdp.models import HuCNN
 from tests.conftest import REPO
 from tests.helpers import run_federation
 
@@ -104,6 +107,106 @@ def test_lipschitz_estimators_on_one_linear_layer():
     assert rownorm == pytest.approx(float(layer.weight.detach().norm(dim=1).max()), rel=1e-5)
     assert spectral == pytest.approx(float(torch.linalg.matrix_norm(layer.weight.detach(), ord=2)), rel=1e-5)
     assert rownorm <= spectral + 1e-6
+
+
+def _random_bound_case(seed: int) -> tuple[nn.Module, list[torch.Tensor]]:
+    """A random MLP or CNN with the weights that make the bound's gradient awkward, and random gradients.
+
+    Rows tied for the max (copied rows, sign-flipped copies), a row just below the max, all-zero rows,
+    a layer whose largest row is below the clamp (1e-12), float32 or float64, and gradients with
+    exact +0 and -0 entries.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: int(torch.randint(1, n + 1, (1,), generator=g))  # noqa: E731
+    dtype = torch.float64 if seed % 4 == 3 else torch.float32
+    if seed % 2:
+        net = nn.Sequential(nn.Conv2d(rand(3), rand(6), rand(3)), nn.ReLU(), nn.Flatten(), nn.LazyLinear(rand(5)))
+        net(torch.zeros(1, net[0].in_channels, 6, 6))
+    else:
+        hidden = rand(7)
+        net = nn.Sequential(nn.Linear(rand(7), hidden), nn.Tanh(), nn.Linear(hidden, rand(4)))
+    net = net.to(dtype)
+    with torch.no_grad():
+        for module in net.modules():
+            if not hasattr(module, "weight") or module.weight is None:
+                continue
+            w = module.weight.view(module.weight.shape[0], -1)
+            w.copy_(torch.randn(w.shape, generator=g, dtype=dtype))
+            kind = int(torch.randint(0, 6, (1,), generator=g))
+            if kind == 1 and w.shape[0] > 1:   # two rows tied for the max
+                w[-1] = w[0] * (1 + w[0].abs().sum())
+                w[0] = -w[-1]
+            elif kind == 2:                      # a zero row
+                w[int(torch.randint(0, w.shape[0], (1,), generator=g))] = 0
+            elif kind == 3:                      # every row below the clamp
+                w.mul_(1e-15)
+            elif kind == 4:                      # every row zero
+                w.zero_()
+            elif kind == 5 and w.shape[0] > 1:   # a row just below the max (not tied)
+                w[0] = w.norm(dim=1).max() * w[0] / w[0].norm()
+                w[-1] = w[0] * 0.9999
+    params = [p for p in net.parameters()]
+    grads = []
+    for p in params:
+        grad = torch.randn(p.shape, generator=g, dtype=dtype)
+        grad[torch.rand(p.shape, generator=g) < 0.2] = 0.0
+        grad[torch.rand(p.shape, generator=g) < 0.2] = -0.0
+        grads.append(grad)
+    return net, grads
+
+
+def _dense_bound_step(net: nn.Module, params: list[torch.Tensor], grads: list[torch.Tensor],
+                      coeff: float) -> list[torch.Tensor]:
+    """``g + coeff · ∇ log L`` with autograd's dense gradient (the reference)."""
+    with torch.enable_grad():
+        extra = torch.autograd.grad(log_lipschitz_bound(net), params, allow_unused=True)
+    return [g if e is None else g + coeff * e for g, e in zip(grads, extra)]
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_the_bound_gradient_from_its_rows_is_bitwise_autograds(seed):
+    net, grads = _random_bound_case(seed)
+    params = list(net.parameters())
+    coeff = [0.0, 1.0, 0.37, 5e3][seed % 4]
+    value, rows = rownorm_bound_rows(net)
+    assert torch.equal(value, log_lipschitz_bound(net).detach())
+    sparse = add_bound_gradient(params, grads, rows, coeff)
+    dense = _dense_bound_step(net, params, grads, coeff)
+    for got, want in zip(sparse, dense):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_the_client_penalty_step_is_unchanged_by_the_row_gradient(monkeypatch):
+    """HuCNN, FinP's client step with the CE scaling: the rows path and autograd's give the same model."""
+    import fedfdp.algorithms.finp_client as finp_client
+    from fedfdp.client import ClientModule
+    from fedfdp.types import LocalBatch
+
+    x, y = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 10
+    models = []
+    for sparse in (True, False):
+        if not sparse:
+            monkeypatch.setattr(finp_client, "rownorm_bound_rows", lambda net: None)
+        torch.manual_seed(0)
+        client = RegularisedClient(ClientModule(HuCNN()), coeff=0.3, estimator="rownorm_product",
+                                   scaling="loss_ratio", constant=None)
+        for _ in range(3):
+            client.training_step(LocalBatch(x=x, y=y, lr=0.05))
+        models.append([p.detach().clone() for p in client.net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*models))
+
+
+def test_the_row_gradient_defers_to_autograd_where_it_cannot_promise_the_same_sum():
+    shared = nn.Linear(3, 3)
+    assert rownorm_bound_rows(nn.Sequential(shared, nn.ReLU(), shared)) is not None  # one module, counted once
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight
+    assert rownorm_bound_rows(tied) is None
+    broken = nn.Linear(3, 2)
+    with torch.no_grad():
+        broken.weight[0, 0] = float("inf")
+    assert rownorm_bound_rows(broken) is None
 
 
 @pytest.mark.parametrize("server_agg", ["pca", "ala"])

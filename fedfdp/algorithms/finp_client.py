@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedfdp.algorithms.finp_math import LipschitzEstimator, log_lipschitz_bound
+from fedfdp.algorithms.finp_math import (LipschitzEstimator, add_bound_gradient, log_lipschitz_bound,
+                                        rownorm_bound_rows)
 from fedfdp.types import LocalBatch, StepOutput
 
 
@@ -45,14 +46,20 @@ class RegularisedClient:
 
             batch = dataclasses.replace(batch, loss_scale=capture)
 
+        def scale(log_l: Tensor) -> float:
+            if self.scaling == "raw":
+                return float(log_l.exp())
+            return self.constant if self.constant is not None else seen.get("ce", 0.0)
+
         def transform(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+            sparse = rownorm_bound_rows(self._client.net) if self.estimator == "rownorm_product" else None
+            if sparse is not None:  # the same sum, from the gradient's few non-zero rows
+                log_l, rows = sparse
+                return add_bound_gradient(params, grads, rows, self.coeff * scale(log_l))
             with torch.enable_grad():
                 log_l = log_lipschitz_bound(self._client.net, self.estimator)
                 extra = torch.autograd.grad(log_l, params, allow_unused=True)
-            if self.scaling == "raw":
-                s = float(log_l.exp())
-            else:
-                s = self.constant if self.constant is not None else seen.get("ce", 0.0)
-            return [g if e is None else g + self.coeff * s * e for g, e in zip(grads, extra)]
+            coeff = self.coeff * scale(log_l)
+            return [g if e is None else g + coeff * e for g, e in zip(grads, extra)]
 
         return self._client.training_step(dataclasses.replace(batch, grad_transform=transform), batch_idx)
