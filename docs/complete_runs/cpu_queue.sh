@@ -12,8 +12,9 @@
 #         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl and local without DP.
 # Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's rcdpfl, oracle, local.
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
-# no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run about 40, an RC-DPFL run
-# at the paper's setting about 80 (all of it about 40 CPU-hours; on a lent GPU: gpu_session.sh).
+# no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
+# with its client penalty), an RC-DPFL run at the paper's setting 100 to 120 (about 45 lane-hours were
+# left on 2026-11-29; on a lent GPU: gpu_session.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
