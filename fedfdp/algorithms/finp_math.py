@@ -225,8 +225,9 @@ def rownorm_bound_rows(net: nn.Module) -> tuple[Tensor, LipschitzRows] | None:
 
     With ``n_i = ‖W[i]‖₂`` and ``f = max_i n_i``: ``∂ log f / ∂W[i] = 1{n_i = f} / (m·f) · W[i] / n_i``
     (``m`` rows tie for the max). FinP adds ``β ρ s ∇log L`` at every local step (Eq. 3); autograd
-    forms that gradient densely, a backward through every weight of the model (on HuCNN 6 of the
-    penalty's 8 ms a step, 15 % of a FinP round), when only ``m`` rows per layer are not zero.
+    forms that gradient densely, a backward through every weight of the model, when only ``m`` rows
+    per layer are not zero (on HuCNN 3.7-4.0 ms a step against 1.7-1.9 ms from the rows:
+    ``benchmarks/step_profile.py --parts penalty``).
     The rows are computed with autograd's operations in autograd's order (log: ``1 / f``;
     clamp_min: kept where ``f ≥ 1e-12``; max: shared evenly by the tied rows; vector norm:
     ``grad · (W / n)``), so ``g + c · grad`` built from them is bitwise the dense sum
