@@ -11,6 +11,8 @@ and callbacks are Lightning's own.
 
 The loop knows no algorithm and no DP formula: it calls the algorithm's hooks and the
 federation callbacks' hooks in a fixed phase order (:class:`fedfdp.interfaces.FederationHooks`).
+Its clients' half (local updates and their releases) is :mod:`fedfdp.client_work`, its evaluation
+:mod:`fedfdp.evaluation`, the checks before the first round :mod:`fedfdp.plan`.
 """
 
 from __future__ import annotations
@@ -30,23 +32,21 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule, trainable
-from fedfdp.distributed import gather_updates, rank_and_world
+from fedfdp.client_work import FederationClientWork
 from fedfdp.evaluation import TRAIN_EVAL_EVERY, FederationEvaluation
-from fedfdp.interfaces import FederatedData, FederationHooks, is_federated_data, is_instance_of
-from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, PrivacyError, require
+from fedfdp.interfaces import FederatedData, FederationHooks, is_federated_data
+from fedfdp.errors import ConfigError, DivergenceError, PrivacyBudgetError, require
 from fedfdp.memory import TRIM_EVERY, release_freed_memory
 from fedfdp.metrics import EvaluationResult, eval_batch_size
-from fedfdp.plan import check_expected_batches, check_round_count
+from fedfdp.plan import (check_distributed, check_expected_batches, check_model_fits_data, check_required_callbacks,
+                         check_round_count)
 from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.mechanism import current_trace, tracing, verify_upload
-from fedfdp.privacy.uploads import POST_PROCESSING, declared_upload_privacy
-from fedfdp.seeding import RandomSource, make_generator, numpy_generator
+from fedfdp.seeding import numpy_generator
 from fedfdp.stacked import StackedRound
-from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from fedfdp.types import ClientUpdate
 
 logger = logging.getLogger(__name__)
-
 
 
 def _server_sgd(params: Any) -> torch.optim.Optimizer:
@@ -68,7 +68,7 @@ class _Rounds(IterableDataset):
         return iter(range(self.num_rounds))
 
 
-class Federation(FederationEvaluation, LightningModule):
+class Federation(FederationClientWork, FederationEvaluation, LightningModule):
     """Federated training of ``client``'s model with ``algorithm``.
 
     Args:
@@ -172,15 +172,11 @@ class Federation(FederationEvaluation, LightningModule):
         require(self.clients_per_round is None or self.clients_per_round <= datamodule.num_clients,
                 f"model.clients_per_round must be <= data.num_clients={datamodule.num_clients}, "
                 f"got {self.clients_per_round}")
-        self._check_model_fits_data()
+        check_model_fits_data(self.client.net, datamodule)
         callbacks = self.federation_callbacks()
         find_accountant(callbacks)  # a second accountant is refused before anything is charged
-        for required in self.algorithm.required_callbacks:
-            if not any(is_instance_of(cb, required) for cb in callbacks):
-                raise ConfigError(
-                    f"{type(self.algorithm).__name__} needs a {required} in trainer.callbacks "
-                    f"(it privatises/accounts or provides what the algorithm releases)")
-        self._check_distributed(callbacks)
+        check_required_callbacks(self.algorithm, callbacks)
+        check_distributed(self.trainer, self.algorithm, self.client, callbacks)
         self.algorithm.setup(self)
         for cb in callbacks:
             cb.setup_federation(self.trainer, self)
@@ -189,31 +185,6 @@ class Federation(FederationEvaluation, LightningModule):
         self._plan_rounds()  # planned again in on_fit_start, once a checkpoint is restored
         logger.info("federation: %d clients, %d rounds, algorithm %s", self.num_clients, self.total_rounds,
                     type(self.algorithm).__name__)
-
-    @torch.no_grad()
-    def _check_model_fits_data(self) -> None:
-        """One forward pass on two training records: the net must take the data's inputs and give one
-        score per class. Run before training starts, so a mismatch is one line and no file of the
-        run is written. Evaluation mode (no BatchNorm statistics updated, no dropout draws): the
-        check changes no state and consumes no random number."""
-        client = next((c for c in range(self.num_clients) if int(self.datamodule.train_sizes[c]) > 0), None)
-        if client is None or not getattr(self.datamodule, "holds_samples", True):
-            return  # no data here (a Flower server: the samples stay on the nodes)
-        x, _ = self.datamodule.client_train(client)
-        net, training = self.client.net, self.client.net.training
-        net.eval()
-        try:
-            out = net(x[:2])
-        except RuntimeError as err:
-            raise ConfigError(f"model.client.init_args.net does not accept the data's inputs of shape "
-                              f"{tuple(x.shape[1:])} ({str(err).splitlines()[0]}); check its in_channels/image_size/"
-                              f"input size") from err
-        finally:
-            net.train(training)
-        classes = self.datamodule.num_classes
-        if out.ndim != 2 or out.shape[1] != classes:
-            raise ConfigError(f"model.client.init_args.net gives outputs of shape {tuple(out.shape[1:])} per record, but "
-                              f"the data has {classes} classes: set its num_classes to {classes}")
 
     def _plan_rounds(self) -> None:
         """``total_rounds``: the smallest of ``num_rounds`` and every callback's limit (the budget);
@@ -229,33 +200,6 @@ class Federation(FederationEvaluation, LightningModule):
         if self.num_rounds is not None and self.total_rounds < self.num_rounds:
             logger.info("privacy budget allows %d of the %d requested rounds", self.total_rounds, self.num_rounds)
         self.trainer.fit_loop.epoch_loop.max_steps = self.total_rounds
-
-    def _check_distributed(self, callbacks: list[FederationHooks]) -> None:
-        """Several processes need a strategy that does not all-reduce gradients, and parts that allow it."""
-        from lightning.pytorch.strategies import ParallelStrategy
-
-        from fedfdp.distributed import FederatedDDPStrategy
-
-        world = self.trainer.world_size
-        if world == 1:
-            return
-        if not isinstance(self.trainer.strategy, FederatedDDPStrategy):
-            if isinstance(self.trainer.strategy, ParallelStrategy):
-                raise ConfigError(f"trainer.strategy must be 'federated_ddp' for {world} processes, got "
-                                  f"{type(self.trainer.strategy).__name__} (it would all-reduce the clients' "
-                                  f"local gradients)")
-            return
-        if not self.algorithm.supports_distributed:
-            raise ConfigError(f"{type(self.algorithm).__name__} keeps per-client state on the process that trains "
-                              f"the client and cannot run on {world} processes; use trainer.devices: 1")
-        if self.client.local_optimizer_state == "kept":
-            raise ConfigError(f"model.client.init_args.local_optimizer_state: kept keeps each client's optimizer "
-                              f"state on the process that trains it and cannot run on {world} processes; use "
-                              f"trainer.devices: 1 or local_optimizer_state: fresh")
-        for cb in callbacks:
-            if not cb.supports_distributed:
-                raise ConfigError(f"callbacks.{type(cb).__name__} cannot run on {world} processes; "
-                                  f"use trainer.devices: 1")
 
     def train_dataloader(self) -> DataLoader:
         """One item per round; the round index itself is ``global_step``."""
@@ -337,95 +281,9 @@ class Federation(FederationEvaluation, LightningModule):
         rng = numpy_generator(self.seed, "clients", round_idx)
         return sorted(int(c) for c in rng.choice(self.num_clients, self.clients_per_round, replace=False))
 
-    def client_data(self, client_id: int) -> ClientData:
-        """Client ``client_id``'s training split on this module's device."""
-        x, y = self.datamodule.client_train(client_id, self.device)
-        return ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device))
-
-    def generator(self, *keys: int | str) -> RandomSource:
-        """The random source of stream ``keys`` (seeded, or the CSPRNG with ``secure_rng``)."""
-        return make_generator(self.seed, *keys, device=self.device, secure=self.secure_rng)
-
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.federation_callbacks():
             getattr(cb, hook)(self.trainer, self, *args)
-
-    def release_client_update(self, data: ClientData, update: ClientUpdate) -> None:
-        """A client's upload is done: ``on_client_update`` with its local model still loaded in
-        ``self.client``; the proof that its charges and private fields came out of the mechanism
-        (:meth:`check_mechanism`); then ``on_client_release`` (charged, and on disk, before the
-        upload leaves)."""
-        self._call("on_client_update", self.client, data, update)
-        self.check_mechanism(update)
-        self._call("on_client_release", update)
-
-    def check_mechanism(self, update: ClientUpdate) -> None:
-        """Refuse an upload whose charged DP events or private fields the mechanism did not produce.
-
-        Runs inside the client's trace (:func:`fedfdp.privacy.mechanism.tracing`, opened around its
-        local update), before anything is written or leaves. Only a run with an accountant claims
-        privacy; with ``allow_non_private`` a mismatch makes ε infinite instead of stopping the run.
-
-        Raises:
-            PrivacyError: the upload charges releases the mechanism did not make, makes releases it
-                does not charge, or carries a private field that is not a mechanism output.
-        """
-        accountant = self.accountant
-        if accountant is None:
-            return
-        if self._declared_uploads is None:
-            self._declared_uploads = declared_upload_privacy(self)
-        trace = current_trace()
-        problems = (["was not made inside a traced local update (Federation.train_client or a stacked round)"]
-                    if trace is None or trace.client_id != update.client_id else
-                    verify_upload(update, trace, self._declared_uploads, POST_PROCESSING))
-        if not problems:
-            return
-        message = (f"round {self.current_round + 1}: client {update.client_id}'s upload {problems[0]}; it was not "
-                   f"released")
-        if not accountant.allow_non_private:
-            raise PrivacyError(message)
-        logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", message)
-        accountant.mark_non_private()
-
-    def train_client(self, client_id: int, context: RoundContext, global_params: torch.Tensor) -> ClientUpdate:
-        """One client's local update from ``global_params`` and its release (charged before it returns).
-
-        The client's own random stream ``generator("client", t, i)``; ``on_client_update`` and
-        ``on_client_release`` run before the upload is returned. A Flower ClientApp runs exactly
-        this on its node (:mod:`fedfdp.flower.node`).
-        """
-        with tracing(client_id):
-            self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
-            data = self.client_data(client_id)
-            generator = self.generator("client", self.current_round, client_id)
-            with self.client.local_optimizer_for(client_id):  # fresh, or the client's kept state
-                update = self.algorithm.local_update(self.client, data, context, generator)
-            self.release_client_update(data, update)
-        return update
-
-    def train_clients(self, context: RoundContext, client_ids: list[int],
-                      global_params: torch.Tensor) -> list[ClientUpdate]:
-        """The round's uploads, in the order of ``client_ids``: local updates and releases of every client.
-
-        Stacked (one engine pass over the union of the clients' batches) where it applies, else
-        client by client; with several processes each trains its share and the uploads are
-        exchanged. A Flower deployment (:class:`fedfdp.flower.strategy.FlowerFederation`) sends
-        the clients' work to their nodes instead; a client may then be missing from the result.
-        """
-        rank, world = rank_and_world()
-        stacked = self._stacked.plan(self, context) if self.stacked_round else None
-        local: list[ClientUpdate] = []
-        if stacked is not None:  # one engine pass over the union of the clients' batches (one process)
-            local = self._stacked.run(self, stacked, client_ids, global_params, context)
-        else:
-            for cid in client_ids[rank::world]:  # several processes: client k goes to rank k mod world
-                local.append(self.train_client(cid, context, global_params))
-        self._call("on_uploads_final", local)  # the releases are durable before any upload leaves this process
-        # one exchange per round; afterwards every process holds every upload in client order and
-        # runs the same accounting, aggregation and server step
-        order = {cid: k for k, cid in enumerate(client_ids)}
-        return sorted(gather_updates(local), key=lambda u: order[u.client_id])
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: broadcast, local updates, privatised uploads, aggregation, evaluation."""

@@ -9,7 +9,13 @@ is restored), before any file of the run is written:
   many rounds);
 * :func:`check_expected_batches`: a Poisson-sampled private release whose expected batch
   ``q·|D_i|`` is below one record for some client (its steps would mostly be noise on empty
-  batches).
+  batches);
+* :func:`check_model_fits_data`: a model that does not take the data's inputs or does not give one
+  score per class;
+* :func:`check_required_callbacks`: an algorithm without the callbacks that privatise, account or
+  provide what it releases;
+* :func:`check_distributed`: several processes with a strategy that would all-reduce the clients'
+  gradients, or with parts that keep per-client state on one process.
 
 An ε the accountant cannot reach in one round is refused by ``callbacks.RDPAccounting`` with
 the ε one round spends.
@@ -17,14 +23,23 @@ the ε one round spends.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from fedfdp.errors import ConfigError
+from fedfdp.interfaces import FederationHooks, is_instance_of
 
 if TYPE_CHECKING:
-    from fedfdp.interfaces import FederationView
+    from lightning.pytorch import Trainer
 
-__all__ = ["MAX_ROUNDS", "check_expected_batches", "check_round_count"]
+    from fedfdp.algorithms.base import Algorithm
+    from fedfdp.client import ClientModule
+    from fedfdp.interfaces import FederatedData, FederationView
+
+__all__ = ["MAX_ROUNDS", "check_distributed", "check_expected_batches", "check_model_fits_data",
+           "check_required_callbacks", "check_round_count"]
 
 MAX_ROUNDS = 10**6
 """The most rounds a run may plan (a few days at a tenth of a second per round)."""
@@ -69,3 +84,68 @@ def check_expected_batches(federation: FederationView) -> None:
                     f"({size} training records) then has an expected batch of q*|D_i|={q * size:.3g} records, "
                     f"below one; raise the algorithm's sample rate to at least {1.0 / max(size, 1):.4g} "
                     f"(or give the clients more data)")
+
+
+@torch.no_grad()
+def check_model_fits_data(net: torch.nn.Module, datamodule: FederatedData) -> None:
+    """One forward pass on two training records: the net must take the data's inputs and give one
+    score per class. Run before training starts, so a mismatch is one line and no file of the
+    run is written. Evaluation mode (no BatchNorm statistics updated, no dropout draws): the
+    check changes no state and consumes no random number."""
+    client = next((c for c in range(datamodule.num_clients) if int(datamodule.train_sizes[c]) > 0), None)
+    if client is None or not getattr(datamodule, "holds_samples", True):
+        return  # no data here (a Flower server: the samples stay on the nodes)
+    x, _ = datamodule.client_train(client)
+    training = net.training
+    net.eval()
+    try:
+        out = net(x[:2])
+    except RuntimeError as err:
+        raise ConfigError(f"model.client.init_args.net does not accept the data's inputs of shape "
+                          f"{tuple(x.shape[1:])} ({str(err).splitlines()[0]}); check its in_channels/image_size/"
+                          f"input size") from err
+    finally:
+        net.train(training)
+    classes = datamodule.num_classes
+    if out.ndim != 2 or out.shape[1] != classes:
+        raise ConfigError(f"model.client.init_args.net gives outputs of shape {tuple(out.shape[1:])} per record, but "
+                          f"the data has {classes} classes: set its num_classes to {classes}")
+
+
+def check_required_callbacks(algorithm: Algorithm, callbacks: Sequence[FederationHooks]) -> None:
+    """Refuse an algorithm whose ``required_callbacks`` (what privatises, accounts or provides what it
+    releases) are not all among the trainer's federation callbacks."""
+    for required in algorithm.required_callbacks:
+        if not any(is_instance_of(cb, required) for cb in callbacks):
+            raise ConfigError(
+                f"{type(algorithm).__name__} needs a {required} in trainer.callbacks "
+                f"(it privatises/accounts or provides what the algorithm releases)")
+
+
+def check_distributed(trainer: Trainer, algorithm: Algorithm, client: ClientModule,
+                      callbacks: Sequence[FederationHooks]) -> None:
+    """Several processes need a strategy that does not all-reduce gradients, and parts that allow it."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from fedfdp.distributed import FederatedDDPStrategy
+
+    world = trainer.world_size
+    if world == 1:
+        return
+    if not isinstance(trainer.strategy, FederatedDDPStrategy):
+        if isinstance(trainer.strategy, ParallelStrategy):
+            raise ConfigError(f"trainer.strategy must be 'federated_ddp' for {world} processes, got "
+                              f"{type(trainer.strategy).__name__} (it would all-reduce the clients' "
+                              f"local gradients)")
+        return
+    if not algorithm.supports_distributed:
+        raise ConfigError(f"{type(algorithm).__name__} keeps per-client state on the process that trains "
+                          f"the client and cannot run on {world} processes; use trainer.devices: 1")
+    if client.local_optimizer_state == "kept":
+        raise ConfigError(f"model.client.init_args.local_optimizer_state: kept keeps each client's optimizer "
+                          f"state on the process that trains it and cannot run on {world} processes; use "
+                          f"trainer.devices: 1 or local_optimizer_state: fresh")
+    for cb in callbacks:
+        if not cb.supports_distributed:
+            raise ConfigError(f"callbacks.{type(cb).__name__} cannot run on {world} processes; "
+                              f"use trainer.devices: 1")

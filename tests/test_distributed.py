@@ -16,6 +16,7 @@ from callbacks import NoisyLossReporting, RDPAccounting, SourceInferenceAudit
 from fedfdp.algorithms import FedFDP, Scaffold
 from fedfdp.distributed import FederatedDDPStrategy, gather_updates, rank_and_world
 from fedfdp.errors import ConfigError
+from fedfdp.plan import check_distributed
 from tests.conftest import REPO
 from tests.helpers import tiny_client
 
@@ -68,12 +69,12 @@ def _federation_with(strategy, world_size: int, algorithm, callbacks):
 def test_multi_process_configs_that_would_be_wrong_are_refused(strategy, algorithm, callbacks, message):
     fed, cbs = _federation_with(strategy, 2, algorithm, callbacks)
     with pytest.raises(ConfigError, match=message):
-        fed._check_distributed(cbs)
+        check_distributed(fed.trainer, fed.algorithm, fed.client, cbs)
 
 
 def test_single_process_needs_no_check_and_gather_is_identity():
     fed, cbs = _federation_with(SingleDeviceStrategy("cpu"), 1, FedFDP(), [NoisyLossReporting(), RDPAccounting()])
-    fed._check_distributed(cbs)
+    check_distributed(fed.trainer, fed.algorithm, fed.client, cbs)
     assert rank_and_world() == (0, 1)
     updates = [object(), object()]
     assert gather_updates(updates) == updates

@@ -18,7 +18,7 @@ import pytest
 
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.fit import main
-from fedfdp.rundir import RunLock
+from fedfdp.runlock import RunLock
 from tests.helpers import dir_state
 from tests.test_cli import TINY
 

@@ -47,8 +47,9 @@ from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_O
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
 from fedfdp.privacy.accountant import find_accountant
-from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunLock, RunPaths, check_resume, run_files,
+from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunPaths, check_resume, run_files,
                            with_saved_config)
+from fedfdp.runlock import RunLock
 
 __all__ = ["LEDGER_NAME", "ConfigToLoggers", "FedFDPCLI", "build_cli"]
 
@@ -190,7 +191,7 @@ class FedFDPCLI(LightningCLI):
         """Refuse a start that does not fit ``run_dir``; reads only, so a refusal changes no file.
 
         * ``--ckpt_path last`` needs the ``--run_dir`` of the run to resume;
-        * a directory that another process holds (:class:`fedfdp.rundir.RunLock`) is refused;
+        * a directory that another process holds (:class:`fedfdp.runlock.RunLock`) is refused;
         * a fresh start needs a directory without an earlier run (:func:`fedfdp.rundir.run_files`);
         * a resume of a directory with a ``config.yaml`` must not change the run: any difference
           outside the allow-list :data:`fedfdp.rundir.HARMLESS` (logging and progress options,
@@ -216,7 +217,7 @@ class FedFDPCLI(LightningCLI):
 
         Every reason to refuse the start that concerns the run directory is checked first, reading
         only (:meth:`_check_run_dir`). Then the directory is created and locked
-        (:class:`fedfdp.rundir.RunLock`, held by :class:`RunDirGuard` until fitting ends) and the
+        (:class:`fedfdp.runlock.RunLock`, held by :class:`RunDirGuard` until fitting ends) and the
         checks are repeated under the lock. Processes that Lightning's DDP launcher starts for
         ranks > 0 use rank 0's directory and neither check nor lock it. Nothing else is written
         here: ``config.yaml`` and a new W&B run id are written when training

@@ -1,7 +1,7 @@
 """The run directory during a fit: its lock (:class:`RunDirGuard`), what a stopped run keeps (:func:`kept_files`).
 
 The directory is checked and locked before the trainer is built (:mod:`fedfdp.cli.parser`,
-:class:`fedfdp.rundir.RunLock`); the guard, one of the trainer's callbacks, releases it when
+:class:`fedfdp.runlock.RunLock`); the guard, one of the trainer's callbacks, releases it when
 fitting ends or fails.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from fedfdp.rundir import CHECKPOINTS_DIR, SUMMARY_NAME, RunLock, RunPaths
+from fedfdp.rundir import CHECKPOINTS_DIR, SUMMARY_NAME, RunPaths
+from fedfdp.runlock import RunLock
 
 logger = logging.getLogger("fedfdp")
 

@@ -59,7 +59,8 @@ from fedfdp.experiments.provenance import saved_config_differences
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary, recorded_wall_seconds
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
-from fedfdp.rundir import LOG_NAME, RunLock, RunPaths, run_files
+from fedfdp.rundir import LOG_NAME, RunPaths, run_files
+from fedfdp.runlock import RunLock
 
 __all__ = ["DEFAULT_ENV", "RunResult", "RunSpec", "Runner", "last_error_line"]
 
