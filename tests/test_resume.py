@@ -224,7 +224,7 @@ def test_config_yaml_records_the_default_run_directory(tmp_path, monkeypatch, ca
 
 
 # ---- 6. one process per run directory ------------------------------------------------------------
-HOLD = ("import sys, time; from pathlib import Path; from fedfdp.rundir import RunLock; "
+HOLD = ("import sys, time; from pathlib import Path; from fedfdp.runlock import RunLock; "
         "lock = RunLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(120)")
 
 
