@@ -331,3 +331,47 @@ def test_the_rcdpfl_lr_grid_ran_every_point_and_results_show_what_it_found(best_
                                           and not line.startswith("| ε")).strip().strip("|").split("|")]
     shown = _results_row(f"| {setting} | {label} ({best['params'][key]:g}) |")
     assert shown[2:6] == tested_row[2:6], name  # All, Maj, Min, MinAcc
+
+
+def test_restore_writes_every_committed_run_back_where_its_harness_skips_it(tmp_path):
+    """``index.py restore`` is ``add`` backwards (a fresh checkout has no ``runs/``): each committed
+    run goes back to the ``--run_dir`` its ``harness.json`` names (relative, or absolute from its
+    ``runs/`` folder on), logs unzipped, byte for byte what ``add`` committed; a run directory that
+    exists is kept as it is; a run committed without ``harness.json`` is not restored. Adding the
+    restored tree again commits nothing twice, not even the runs committed under other names."""
+    from fedfdp.experiments.results import is_finished
+
+    index = _index_module()
+    src, committed, root = tmp_path / "work", tmp_path / "complete_runs", tmp_path / "checkout"
+    launched = {"runs/paper/table4/mnist/fedfdp/seed0": ("table4_mnist", "fedfdp_paper", "seed0"),  # renamed
+                "/elsewhere/main/runs/finp_cnn/finp_pca/seed1": ("finp_fmnist", "finp_pca", "seed1"),
+                "runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s2": ("rcdpfl_mnist", "ifca_eps5", "seed2")}
+    summary = {"status": "budget_spent", "rounds_run": 3, "rounds_planned": 3}
+    for run_dir, (top, name, seed) in launched.items():
+        run = src / run_dir.lstrip("/")
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "config.yaml").write_text(f"seed_everything: {seed[-1]}\n")
+        (run / "metrics.csv").write_text(f"step,accuracy\n0,0.{seed[-1]}\n")
+        (run / "harness.json").write_text(json.dumps({"command": ["python", "--run_dir", run_dir]}))
+        (committed / top / name / seed).mkdir(parents=True)
+        for file in ("summary.json", "config.yaml", "harness.json"):
+            (committed / top / name / seed / file).write_bytes((run / file).read_bytes())
+        (committed / top / name / seed / "metrics.csv.gz").write_bytes(gzip.compress((run / "metrics.csv").read_bytes()))
+    (committed / "issue23_fmnist10" / "fedfdp" / "seed0").mkdir(parents=True)  # a study without harness.json
+    (committed / "issue23_fmnist10" / "fedfdp" / "seed0" / "summary.json").write_text(json.dumps(summary))
+    (root / "runs" / "finp_cnn" / "finp_pca" / "seed1").mkdir(parents=True)  # there already: kept
+    said = index.restore(root, committed)
+    assert sorted(line.split()[0] for line in said) == ["kept", "restored", "restored"], said
+    for run_dir in ("runs/paper/table4/mnist/fedfdp/seed0", "runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s2"):
+        restored = root / run_dir
+        assert sorted(f.name for f in restored.iterdir()) == ["config.yaml", "harness.json", "metrics.csv", "summary.json"]
+        assert (restored / "metrics.csv").read_bytes() == (src / run_dir / "metrics.csv").read_bytes()
+        assert is_finished(json.loads((restored / "summary.json").read_text()))
+    assert not list((root / "runs" / "finp_cnn" / "finp_pca" / "seed1").iterdir())
+    assert not (root / "issue23_fmnist10").exists() and len(list(root.rglob("summary.json"))) == 2
+    before = sorted(p.relative_to(committed) for p in committed.rglob("*"))
+    said = index.add(root / "runs" / "paper" / "table4" / "mnist", committed / "table4_mnist")
+    said += index.add(root / "runs" / "rcdpfl_paper", committed / "rcdpfl_mnist")
+    assert sorted(p.relative_to(committed) for p in committed.rglob("*")) == before
+    assert [line.split()[0] for line in said] == ["kept", "added"], said  # the renamed one kept, ifca_eps5 rewritten in place

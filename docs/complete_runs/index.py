@@ -4,6 +4,7 @@
     python docs/complete_runs/index.py add --src runs/finp_cnn --dest docs/complete_runs/finp_fmnist
     python docs/complete_runs/index.py add --src runs/rcdpfl_paper --dest docs/complete_runs/rcdpfl_mnist
     python docs/complete_runs/index.py write          # docs/complete_runs/index.csv
+    python docs/complete_runs/index.py restore        # the committed runs back into runs/ (a fresh checkout)
 
 ``add`` copies every finished run of a harness's tree to ``<dest>/<name>/seed<k>`` in the committed
 form: ``config.yaml``, ``summary.json``, ``harness.json`` and ``sia.json`` when there are, and
@@ -12,7 +13,8 @@ a paper table's ``<src>/<column>/<method>/seed<k>`` (name ``<method>_<column>``)
 ``<src>/<row>/seed<k>`` (name ``<row>``) and ``rcdpfl-table``'s
 ``<src>/runs/<dataset>_<method>_eps<ε>_s<k>`` (name ``<method>_eps<ε>``; a non-private method's
 ``<dataset>_<method>_s<k>``, name ``<method>``). A run that did not finish
-(``status`` other than ``completed``/``budget_spent``) is left out, and said so.
+(``status`` other than ``completed``/``budget_spent``) is left out, and said so, and so is a run
+committed already under another name (the same ``--run_dir`` in its ``harness.json``).
 
 ``write`` lists every committed run directory (one holding ``summary.json``) under this folder,
 one row each: ``table,dataset,method,seed,rounds,status,epsilon,path`` and what a reader needs to
@@ -23,6 +25,11 @@ comes from the run's top folder (:data:`TABLES`): ``fedfdp-IV``, ``fedfdp-V``, `
 ``rcdpfl``, ``finp``, or this project's own studies; ``dataset`` from the data class; ``method``
 from the folder (the harness's method stem and column, or the study's row name); ``seed`` from
 the config. ``tests/test_complete_runs.py`` checks the file against the runs it names.
+
+``restore`` is ``add`` backwards, for a checkout without the harness trees (``runs/`` is not
+committed): every committed run whose ``harness.json`` names its run directory (``--run_dir``)
+is written back there, logs unzipped, so that a harness command started again skips it instead of
+training it again. A run directory that exists already is left as it is (and said so).
 """
 
 from __future__ import annotations
@@ -89,12 +96,20 @@ def harness_runs(src: Path) -> list[tuple[Path, str, str]]:
 def add(src: Path, dest: Path) -> list[str]:
     """Copy the finished runs of the harness tree ``src`` into ``dest``; lines saying what was done."""
     said = []
+    # a run committed already under another name (a restored tree holds every committed run) is not
+    # committed twice: keyed by the run directory it was trained in
+    committed = {launched_run_dir(s.parent): s.parent for s in dest.parent.glob("*/*/seed*/summary.json")}
+    committed.pop(None, None)  # committed without harness.json: not known by its run directory
     for run, name, seed in harness_runs(src):
         status = json.loads((run / "summary.json").read_text()).get("status")
         if status not in FINISHED:
             said.append(f"left out {run} (status {status})")
             continue
         target = dest / name / seed
+        earlier = committed.get(_from_runs(run))
+        if earlier is not None and earlier.resolve() != target.resolve():
+            said.append(f"kept {run}: committed already as {earlier}")
+            continue
         target.mkdir(parents=True, exist_ok=True)
         for file in ("config.yaml", "summary.json", "harness.json", "sia.json"):
             if (run / file).is_file():
@@ -103,6 +118,50 @@ def add(src: Path, dest: Path) -> list[str]:
             if (run / file).is_file():
                 (target / f"{file}.gz").write_bytes(gzip.compress((run / file).read_bytes(), mtime=0))
         said.append(f"added {target}")
+    return said
+
+
+def launched_run_dir(committed: Path) -> Path | None:
+    """The run directory (relative to the repository root) a committed run was trained in: the
+    ``--run_dir`` of its ``harness.json`` (an absolute one from its ``runs/`` folder on); None when
+    there is no ``harness.json`` (the studies committed before the harness recorded it)."""
+    try:
+        command = json.loads((committed / "harness.json").read_text())["command"]
+        run_dir = Path(command[command.index("--run_dir") + 1])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return _from_runs(run_dir)
+
+
+def _from_runs(run_dir: Path) -> Path | None:
+    """A run directory as the harnesses name it, relative to the repository root: an absolute one
+    from its ``runs/`` folder on (None when it has none)."""
+    if not run_dir.is_absolute():
+        return run_dir
+    parts = run_dir.parts
+    return Path(*parts[parts.index("runs"):]) if "runs" in parts else None
+
+
+def restore(root: Path, committed_root: Path = HERE) -> list[str]:
+    """Write every committed run under ``committed_root`` back to its run directory under ``root``
+    (:func:`launched_run_dir`); lines saying what was done."""
+    said = []
+    for summary in sorted(committed_root.glob("*/*/seed*/summary.json")):
+        committed = summary.parent
+        run_dir = launched_run_dir(committed)
+        if run_dir is None:
+            continue
+        target = root / run_dir
+        if target.exists():
+            said.append(f"kept {target} (exists)")
+            continue
+        target.mkdir(parents=True)
+        for file in committed.iterdir():
+            if file.suffix == ".gz":
+                (target / file.stem).write_bytes(gzip.decompress(file.read_bytes()))
+            else:
+                shutil.copyfile(file, target / file.name)
+        said.append(f"restored {target}")
     return said
 
 
@@ -151,9 +210,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dest", type=Path, required=True)
     sub.add_parser("write", help="write index.csv")
+    p = sub.add_parser("restore", help="write the committed runs back to their run directories (runs/...)")
+    p.add_argument("--root", type=Path, default=HERE.parent.parent, help="the repository root (default: this one)")
     args = parser.parse_args(argv)
-    if args.command == "add":
-        for line in add(args.src, args.dest):
+    if args.command in ("add", "restore"):
+        said = add(args.src, args.dest) if args.command == "add" else restore(args.root)
+        for line in said:
             print(line)
         return 0
     print(f"wrote {INDEX} ({write()} runs)")
