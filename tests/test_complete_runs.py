@@ -375,3 +375,55 @@ def test_restore_writes_every_committed_run_back_where_its_harness_skips_it(tmp_
     said += index.add(root / "runs" / "rcdpfl_paper", committed / "rcdpfl_mnist")
     assert sorted(p.relative_to(committed) for p in committed.rglob("*")) == before
     assert [line.split()[0] for line in said] == ["kept", "added"], said  # the renamed one kept, ifca_eps5 rewritten in place
+
+
+def test_park_keeps_an_unfinished_run_for_the_next_checkout_and_add_drops_it_once_finished(tmp_path):
+    """``park`` copies each unfinished harness run with a loadable ``last.ckpt`` under
+    ``in_progress/<run dir>`` (logs gzipped, no lock, only the last checkpoint); a finished run, a
+    run moved aside and a checkpoint cut while written are not parked. ``restore`` into a fresh
+    checkout gives back the same files, resumable (``Runner`` adds ``--ckpt_path last``); ``add``
+    of the run once finished removes its parked copy."""
+    import torch
+
+    from fedfdp.experiments.runner import resumable
+
+    index = _index_module()
+    work, committed, fresh = tmp_path / "work", tmp_path / "complete_runs", tmp_path / "fresh"
+
+    def run(rel, status="interrupted", checkpoint=True):
+        path = work / rel
+        (path / "checkpoints").mkdir(parents=True)
+        (path / "summary.json").write_text(json.dumps({"status": status}))
+        (path / "config.yaml").write_text("seed_everything: 1\n")
+        (path / "metrics.csv").write_text("step,accuracy\n0,0.5\n")
+        (path / "privacy_ledger.jsonl").write_text('{"round": 0}\n')
+        (path / "run.lock").write_text("4242")
+        if checkpoint:
+            torch.save({"global_step": 7}, path / "checkpoints" / "last.ckpt")
+            torch.save({"global_step": 7}, path / "checkpoints" / "round-6.ckpt")
+        return path
+
+    cut = run("runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s1")
+    run("runs/finp_cnn/finp_pca/seed2", status="completed")
+    run("runs/finp_cnn/finp_pca/seed1.stale-1")
+    run("runs/finp_cnn/finp_ala/seed0", checkpoint=False)
+    torn = run("runs/finp_cnn/finp_ala/seed1")
+    (torn / "checkpoints" / "last.ckpt").write_bytes(b"PK\x03\x04 cut")
+    said = index.park(work, committed)
+    assert sorted(line.split()[0] for line in said) == ["left", "parked"], said  # left out: the torn checkpoint
+    assert "finp_ala/seed1" in min(said) and "does not load" in min(said)
+    parked = committed / "in_progress" / "runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s1"
+    assert sorted(str(p.relative_to(parked)) for p in parked.rglob("*") if p.is_file()) == [
+        "checkpoints/last.ckpt", "config.yaml", "metrics.csv.gz", "privacy_ledger.jsonl.gz", "summary.json"]
+    assert [p.name for p in (committed / "in_progress").rglob("last.ckpt")] == ["last.ckpt"]  # the cut one alone
+    said = index.restore(fresh, committed)
+    assert said == [f"restored {fresh / 'runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s1'} (parked: resumes from "
+                    f"its last checkpoint)"]
+    back = fresh / "runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s1"
+    for file in ("metrics.csv", "privacy_ledger.jsonl", "config.yaml", "checkpoints/last.ckpt"):
+        assert (back / file).read_bytes() == (cut / file).read_bytes(), file
+    assert resumable(back) and not (back / "run.lock").exists()
+    (back / "summary.json").write_text(json.dumps({"status": "budget_spent"}))  # it finished next session
+    said = index.add(fresh / "runs/rcdpfl_paper", committed / "rcdpfl_mnist")
+    assert said == [f"removed its parked copy {parked}", f"added {committed / 'rcdpfl_mnist/ifca_eps5/seed1'}"]
+    assert not parked.exists()

@@ -8,6 +8,11 @@
 #   bash docs/complete_runs/cpu_queue.sh            # both lanes, detached; logs in runs/cpu_queue/
 #   LANES=1 bash docs/complete_runs/cpu_queue.sh    # only lane 1 (e.g. while the cores are needed)
 #
+# A checkout does not keep runs/: before a session ends, stop the lanes (pkill -f fedfdp.experiments;
+# pkill -f fedfdp.fit) and `python docs/complete_runs/index.py park`, then commit docs/complete_runs:
+# the cut runs' last checkpoints go to docs/complete_runs/in_progress/, and this script's restore
+# writes them back, so the next session resumes them where they stopped.
+#
 # Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
 #         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl and local without DP.
 # Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's rcdpfl, oracle, local.

@@ -26,6 +26,12 @@ comes from the run's top folder (:data:`TABLES`): ``fedfdp-IV``, ``fedfdp-V``, `
 from the folder (the harness's method stem and column, or the study's row name); ``seed`` from
 the config. ``tests/test_complete_runs.py`` checks the file against the runs it names.
 
+``park`` keeps what a session could not finish: every unfinished harness run under ``runs/`` with a
+checkpoint is copied to ``in_progress/<its run directory>`` (its files, logs gzipped, and only
+``checkpoints/last.ckpt``, which must load); run it after the lanes are stopped. ``restore`` writes
+these back too, so the next session resumes the run from its last round instead of its first, and
+``add`` deletes a parked copy once its run is committed finished.
+
 ``restore`` is ``add`` backwards, for a checkout without the harness trees (``runs/`` is not
 committed): every committed run whose ``harness.json`` names its run directory (``--run_dir``)
 is written back there, logs unzipped, so that a harness command started again skips it instead of
@@ -62,6 +68,9 @@ TABLES = {
 DATASETS = {"FashionMNIST": "fmnist", "MNIST": "mnist", "CIFAR10": "cifar10", "Digits": "digits",
             "HAR": "har", "SyntheticHAR": "synthetic_har"}
 FINISHED = ("completed", "budget_spent")
+#: where :func:`park` keeps the unfinished runs, under this folder
+PARKED = "in_progress"
+LAST_CHECKPOINT = "checkpoints/last.ckpt"
 
 
 def _rcdpfl_name(name: str) -> tuple[str, int] | None:
@@ -117,6 +126,11 @@ def add(src: Path, dest: Path) -> list[str]:
         for file in ("metrics.csv", "privacy_ledger.jsonl"):
             if (run / file).is_file():
                 (target / f"{file}.gz").write_bytes(gzip.compress((run / file).read_bytes(), mtime=0))
+        launched = _from_runs(run.absolute())
+        parked = dest.parent / PARKED / launched if launched is not None else None
+        if parked is not None and parked.is_dir():
+            shutil.rmtree(parked)
+            said.append(f"removed its parked copy {parked}")
         said.append(f"added {target}")
     return said
 
@@ -144,25 +158,61 @@ def _from_runs(run_dir: Path) -> Path | None:
 
 def restore(root: Path, committed_root: Path = HERE) -> list[str]:
     """Write every committed run under ``committed_root`` back to its run directory under ``root``
-    (:func:`launched_run_dir`); lines saying what was done."""
+    (:func:`launched_run_dir`), and every parked one (:func:`park`); lines saying what was done."""
     said = []
-    for summary in sorted(committed_root.glob("*/*/seed*/summary.json")):
-        committed = summary.parent
-        run_dir = launched_run_dir(committed)
+    copies = [(s.parent, launched_run_dir(s.parent)) for s in sorted(committed_root.glob("*/*/seed*/summary.json"))]
+    parked = committed_root / PARKED
+    copies += [(c.parent.parent, c.parent.parent.relative_to(parked))
+               for c in sorted(parked.glob(f"**/{LAST_CHECKPOINT}"))]
+    for committed, run_dir in copies:
         if run_dir is None:
             continue
         target = root / run_dir
         if target.exists():
             said.append(f"kept {target} (exists)")
             continue
-        target.mkdir(parents=True)
-        for file in committed.iterdir():
-            if file.suffix == ".gz":
-                (target / file.stem).write_bytes(gzip.decompress(file.read_bytes()))
-            else:
-                shutil.copyfile(file, target / file.name)
-        said.append(f"restored {target}")
+        shutil.copytree(committed, target)
+        for file in target.glob("*.gz"):
+            file.with_suffix("").write_bytes(gzip.decompress(file.read_bytes()))
+            file.unlink()
+        said.append(f"restored {target}" + (" (parked: resumes from its last checkpoint)" if committed.is_relative_to(parked) else ""))
     return said
+
+
+def park(root: Path, committed_root: Path = HERE) -> list[str]:
+    """Copy every unfinished run under ``root/runs`` that has a checkpoint to
+    ``committed_root/in_progress/<run directory>`` (replacing an earlier parked copy); lines saying
+    what was done. A run whose ``last.ckpt`` does not load (cut while it was written) is left out."""
+    import torch
+
+    said = []
+    for checkpoint in sorted((root / "runs").glob(f"**/{LAST_CHECKPOINT}")):
+        run = checkpoint.parent.parent
+        if ".stale-" in str(run) or _finished(run):
+            continue
+        try:
+            rounds = torch.load(checkpoint, map_location="cpu", weights_only=False).get("global_step")  # a step a round
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is reported, not parked
+            said.append(f"left out {run}: {checkpoint.name} does not load ({type(err).__name__})")
+            continue
+        target = committed_root / PARKED / run.relative_to(root)
+        shutil.rmtree(target, ignore_errors=True)
+        (target / LAST_CHECKPOINT).parent.mkdir(parents=True)
+        shutil.copyfile(checkpoint, target / LAST_CHECKPOINT)
+        for file in run.iterdir():
+            if file.is_file() and file.name != "run.lock":
+                data = file.read_bytes()
+                gz = file.name in ("metrics.csv",) or file.name.startswith("privacy_ledger")
+                (target / (file.name + ".gz" if gz else file.name)).write_bytes(gzip.compress(data, mtime=0) if gz else data)
+        said.append(f"parked {run} ({rounds} rounds done) in {target}")
+    return said
+
+
+def _finished(run: Path) -> bool:
+    try:
+        return json.loads((run / "summary.json").read_text()).get("status") in FINISHED
+    except (OSError, ValueError):
+        return False
 
 
 def dataset_name(data_class: str) -> str:
@@ -210,11 +260,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dest", type=Path, required=True)
     sub.add_parser("write", help="write index.csv")
-    p = sub.add_parser("restore", help="write the committed runs back to their run directories (runs/...)")
-    p.add_argument("--root", type=Path, default=HERE.parent.parent, help="the repository root (default: this one)")
+    for command, text in (("restore", "write the committed and parked runs back to their run directories (runs/...)"),
+                          ("park", "copy the unfinished runs with a checkpoint to in_progress/ (after stopping them)")):
+        p = sub.add_parser(command, help=text)
+        p.add_argument("--root", type=Path, default=HERE.parent.parent, help="the repository root (default: this one)")
     args = parser.parse_args(argv)
-    if args.command in ("add", "restore"):
-        said = add(args.src, args.dest) if args.command == "add" else restore(args.root)
+    if args.command in ("add", "restore", "park"):
+        said = {"add": lambda: add(args.src, args.dest), "restore": lambda: restore(args.root),
+                "park": lambda: park(args.root)}[args.command]()
         for line in said:
             print(line)
         return 0
