@@ -14,8 +14,10 @@
 # writes them back, so the next session resumes them where they stopped.
 #
 # Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
-#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, kmcdpfl and local without DP.
-# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's rcdpfl, oracle, local.
+#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, rcdpfl and kmcdpfl
+#         (the paper's method before the baseline it beats by most).
+# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's oracle, local,
+#         local without DP.
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38), an RC-DPFL run at the paper's setting 63 to 120
@@ -41,7 +43,7 @@ lane1() {
     --out runs/paper
   keep runs/paper/table5 table5_fmnist
   keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
-  for method in dpfedavg ifca kmcdpfl local_nodp; do
+  for method in dpfedavg ifca rcdpfl kmcdpfl; do
     $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
     keep runs/rcdpfl_paper rcdpfl_mnist
   done
@@ -54,7 +56,7 @@ lane2() {
   keep runs/finp_cnn finp_fmnist
   $exp finp-table --dataset fmnist_cnn --rows main --seeds 0 1 2 --out runs/finp_cnn
   keep runs/finp_cnn finp_fmnist
-  for method in rcdpfl oracle local; do
+  for method in oracle local local_nodp; do
     $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
     keep runs/rcdpfl_paper rcdpfl_mnist
   done
