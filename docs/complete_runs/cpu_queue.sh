@@ -44,8 +44,10 @@ lane1() {
   keep runs/paper/table5 table5_fmnist
   keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
   for method in dpfedavg ifca rcdpfl kmcdpfl; do
-    $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
-    keep runs/rcdpfl_paper rcdpfl_mnist
+    for seed in 0 1 2; do  # one seed a command: each run is copied to docs/complete_runs as it lands
+      $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
+      keep runs/rcdpfl_paper rcdpfl_mnist
+    done
   done
 }
 
@@ -54,11 +56,17 @@ lane2() {
   keep runs/finp_cnn finp_fmnist
   $exp finp-table --dataset fmnist_cnn --rows alone --seeds 0 1 2 --out runs/finp_cnn
   keep runs/finp_cnn finp_fmnist
-  $exp finp-table --dataset fmnist_cnn --rows main --seeds 0 1 2 --out runs/finp_cnn
-  keep runs/finp_cnn finp_fmnist
+  for row in baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala; do  # the main rows
+    for seed in 0 1 2; do
+      $exp finp-table --dataset fmnist_cnn --rows "$row" --seeds "$seed" --out runs/finp_cnn
+      keep runs/finp_cnn finp_fmnist
+    done
+  done
   for method in oracle local local_nodp; do
-    $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds 0 1 2 --out runs/rcdpfl_paper
-    keep runs/rcdpfl_paper rcdpfl_mnist
+    for seed in 0 1 2; do
+      $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
+      keep runs/rcdpfl_paper rcdpfl_mnist
+    done
   done
 }
 
