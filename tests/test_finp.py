@@ -369,3 +369,20 @@ def test_finp_table_alone_rows_run_two_configs_and_compute_the_majority_label(tm
     assert [float(c) for c in cells[1:3]] == pytest.approx(expected, abs=0.005)
     assert 10 < expected[1] < 60 and set(cells[3:]) == {"–"}
     assert not any(p.is_dir() for p in tmp_path.iterdir())  # nothing was trained
+
+
+def test_finp_table_dry_run_fails_on_a_finished_run_of_another_configuration(tmp_path, capsys, caplog):
+    """The dry run says what the run would do: a finished run that trained another configuration is
+    not listed, its ``error:`` line is logged, and the exit is 1 (the run refuses it and fails)."""
+    from fedfdp.experiments.__main__ import main
+
+    run_dir = tmp_path / "baseline" / "seed0"
+    run_dir.mkdir(parents=True)
+    saved = yaml.safe_load((REPO / "configs" / "finp_fmnist.yaml").read_text())
+    saved["seed_everything"] = 7  # trained with another seed than seed0 asks
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "rounds_run": 2, "rounds_planned": 2}))
+    assert main(["finp-table", "--rows", "baseline", "--seeds", "0", "1", "--out", str(tmp_path), "--dry_run"]) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "fedfdp.fit" in line]
+    assert len(lines) == 1 and "baseline/seed1" in lines[0]
+    assert "baseline/seed0 holds a run of another configuration" in caplog.text and "seed_everything" in caplog.text

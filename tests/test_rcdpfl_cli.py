@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from datamodules import ClusteredCIFAR10DataModule, ClusteredDigitsDataModule, ClusteredMNISTDataModule
 from datamodules.idx import FILE_NAMES
@@ -182,3 +183,31 @@ def test_harness_runs_a_non_private_method_once_per_seed_and_computes_the_majori
     assert 0 < row["acc_all"] < 0.3 and row["epsilon"] is None  # digits are balanced: near 10 %
     table = write_table([row], tmp_path)
     assert f"| no DP | Majority label | {100 * row['acc_all']:.1f} |" in table and table.rstrip().endswith("| – |")
+
+
+def test_dry_run_skips_a_finished_run_of_a_tree_it_did_not_launch(tmp_path, capsys, caplog, monkeypatch):
+    """A tree of finished runs that this tree never launched (restored from docs/complete_runs, or made
+    on another machine) has no staged ``<out>/configs/<name>.yaml``: the dry run checks each finished
+    run against the config it would make, as the run does, lists only the runs left, and a finished
+    run of another configuration gets the runner's error line and exit 1 (the run would fail it), not
+    a traceback."""
+    from fedfdp.experiments.rcdpfl import make_config
+
+    monkeypatch.chdir(REPO)
+    base = REPO / "configs/rcdpfl/digits_local.yaml"
+    for name, seed, epsilon in (("digits_local_eps2_s0", 0, 2.0), ("digits_local_eps2_s1", 1, 3.0)):  # s1: another ε
+        run_dir = tmp_path / "runs" / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(make_config(base, seed=seed, epsilon=epsilon, rounds=None)))
+        (run_dir / "summary.json").write_text(json.dumps({"status": "budget_spent", "rounds_run": 3, "rounds_planned": 3}))
+    argv = ["rcdpfl-table", "--dataset", "digits", "--methods", "local", "--epsilons", "2", "--seeds", "0", "1", "2",
+            "--out", str(tmp_path), "--dry_run"]
+    assert main(argv) == 1
+    listed = [line.split("--run_dir ")[1].split()[0].rsplit("/", 1)[1] for line in capsys.readouterr().out.splitlines()
+              if "fedfdp.fit" in line]
+    assert listed == ["digits_local_eps2_s2"]
+    assert "digits_local_eps2_s1 holds a run of another configuration" in caplog.text
+    assert "eps2_s0" not in caplog.text and not (tmp_path / "configs").exists()
+    (tmp_path / "runs" / "digits_local_eps2_s1" / "summary.json").unlink()  # unfinished: listed, nothing refused
+    caplog.clear()
+    assert main(argv) == 0 and "error" not in caplog.text

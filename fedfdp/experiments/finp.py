@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output
 from fedfdp.experiments.identity import distinct_rows
 from fedfdp.experiments.results import finished_summary
 from fedfdp.experiments.runner import Runner, RunSpec
@@ -219,9 +219,7 @@ def run(args: argparse.Namespace) -> int:
     trained = [r for r in rows if ROWS[r][2] != MAJORITY]
     specs = {(name, seed): run_spec(name, seed, out, args.rounds, args.dataset) for name in trained for seed in seeds}
     if args.dry_run:  # the dry run's output is the list of commands
-        for spec in runner.pending(specs.values()):
-            print_command(runner.command(spec))
-        return 0
+        return runner.dry_run(specs.values())
     for result in runner.run_all(specs.values()):
         if result.status in ("failed", "incomplete"):
             message(f"error: finp-table: {result.spec.run_dir} failed (exit {result.returncode}): "

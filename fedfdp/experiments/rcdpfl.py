@@ -34,7 +34,7 @@ import numpy as np
 import yaml
 
 from fedfdp.errors import ConfigError
-from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments._common import add_dry_run, add_list_option, message, output
 from fedfdp.experiments.results import finished_summary, format_mean_std, group_rows
 from fedfdp.experiments.runner import Runner, RunSpec
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
@@ -205,13 +205,15 @@ def run(args: argparse.Namespace) -> int:
     launcher = runner(args.nice)
     rows: list[dict[str, Any]] = []
     failed = 0
+    dry: list[RunSpec] = []
     for name, method, eps, seed in jobs:
-        if args.dry_run:
-            for spec in launcher.pending([run_spec(out, name, args.override)]):
-                print_command(launcher.command(spec))
-            continue
+        # the dry run checks a finished run against the config it would make, like the run itself (the
+        # staged <out>/configs/<name>.yaml exists only once a run was launched from this tree)
         spec = run_spec(out, name, args.override, lambda base=bases[method], seed=seed, eps=eps: make_config(
             base, seed=seed, epsilon=eps, rounds=args.rounds))
+        if args.dry_run:
+            dry.append(spec)
+            continue
         try:
             result = launcher.run(spec)
         except ConfigError as err:
@@ -233,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
             message(f"error: {name} spent epsilon {spent} > target {eps}" if spent is not None else
                     f"error: {name} has no spent epsilon although its config has an accountant (target {eps})")
             return 1
-    if MAJORITY in methods and not args.dry_run:
+    if args.dry_run:
+        return launcher.dry_run(dry)
+    if MAJORITY in methods:
         rows.append(majority_row(bases[MAJORITY]))
     if rows:
         output(write_table(rows, out))

@@ -56,6 +56,7 @@ import yaml
 
 from fedfdp.errors import ConfigError
 from fedfdp.experiments.provenance import saved_config_differences
+from fedfdp.experiments._common import print_command
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary, recorded_wall_seconds
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
@@ -169,14 +170,28 @@ class Runner:
     def pending(self, specs: Iterable[RunSpec]) -> list[RunSpec]:
         """The runs of ``specs`` that have not finished (and did not end with clients left out); for a
         finished run of another configuration its ``error:`` line is logged (:meth:`other_configuration`)."""
-        todo = []
+        return self._plan(specs)[0]
+
+    def dry_run(self, specs: Iterable[RunSpec]) -> int:
+        """A harness's ``--dry-run``: print the command of every run of ``specs`` that would run;
+        the exit status, 1 when a finished run trained another configuration (its ``error:`` line
+        logged; the run itself refuses it and fails), else 0."""
+        todo, other = self._plan(specs)
+        for spec in todo:
+            print_command(self.command(spec))
+        return 1 if other else 0
+
+    def _plan(self, specs: Iterable[RunSpec]) -> tuple[list[RunSpec], list[RunSpec]]:
+        """(the runs to launch, the finished runs of another configuration than their spec's)."""
+        todo, other = [], []
         for spec in specs:
             summary = read_summary(spec.run_dir)
             if is_finished(summary):
-                self.other_configuration(spec)
+                if self.other_configuration(spec) is not None:
+                    other.append(spec)
             elif not ended_with_missing_clients(summary):
                 todo.append(spec)
-        return todo
+        return todo, other
 
     @staticmethod
     def other_configuration(spec: RunSpec) -> str | None:
