@@ -29,9 +29,11 @@ def _client_at(params):
 
 @pytest.mark.parametrize("make, parent, callbacks", CASES, ids=IDS)
 def test_each_client_trains_and_is_evaluated_on_its_own_model(make, parent, callbacks):
-    """v_i is the parent's local loop chained from w_0 on client i's data only; evaluation uses v_i."""
+    """v_i is the parent's local loop chained from w_0 on client i's data only; evaluation uses v_i.
+    The reference is computed client by client, so the federation trains client by client too: a
+    stacked round equals it only up to float rounding, in bits that depend on the CPU's kernels."""
     rounds, data = 3, tiny_data(num_clients=4)
-    fed, _ = run_federation(make(), callbacks(), rounds=rounds, data=data)
+    fed, _ = run_federation(make(), callbacks(), rounds=rounds, data=data, stacked_round=False)
     alg, ref, w0 = fed.algorithm, parent(), tiny_client().get_flat_params()
     own = {}
     for cid in range(fed.num_clients):
