@@ -150,3 +150,15 @@ def dir_state(root: Any) -> dict[str, tuple[int, int, str]]:
     root = Path(root)
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def complete_runs_index() -> Any:
+    """``docs/complete_runs/index.py`` as a module (a script, not a package module)."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("complete_runs_index", REPO / "docs" / "complete_runs" / "index.py")
+    index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(index)
+    return index
