@@ -132,6 +132,7 @@ def test_park_keeps_an_unfinished_run_for_the_next_checkout_and_add_drops_it_onc
     assert sorted(str(p.relative_to(parked)) for p in parked.rglob("*") if p.is_file()) == [
         "checkpoints/last.ckpt", "config.yaml", "metrics.csv.gz", "privacy_ledger.jsonl.gz", "summary.json"]
     assert [p.name for p in (committed / "in_progress").rglob("last.ckpt")] == ["last.ckpt"]  # the cut one alone
+    assert index.restore(fresh, committed, parked_too=False) == [] and not fresh.exists()  # a lent GPU
     said = index.restore(fresh, committed)
     assert said == [f"restored {fresh / 'runs/rcdpfl_paper/runs/mnist_paper_ifca_eps5_s1'} (parked: resumes from "
                     f"its last checkpoint)"]

@@ -156,14 +156,16 @@ def _from_runs(run_dir: Path) -> Path | None:
     return Path(*parts[parts.index("runs"):]) if "runs" in parts else None
 
 
-def restore(root: Path, committed_root: Path = HERE) -> list[str]:
+def restore(root: Path, committed_root: Path = HERE, *, parked_too: bool = True) -> list[str]:
     """Write every committed run under ``committed_root`` back to its run directory under ``root``
-    (:func:`launched_run_dir`), and every parked one (:func:`park`); lines saying what was done."""
+    (:func:`launched_run_dir`), and every parked one (:func:`park`) unless ``parked_too`` is off (a
+    lent GPU: a CPU checkpoint cannot be resumed there with ``--trainer.accelerator gpu``, another
+    configuration, so the GPU runs it afresh); lines saying what was done."""
     said = []
     copies = [(s.parent, launched_run_dir(s.parent)) for s in sorted(committed_root.glob("*/*/seed*/summary.json"))]
     parked = committed_root / PARKED
     copies += [(c.parent.parent, c.parent.parent.relative_to(parked))
-               for c in sorted(parked.glob(f"**/{LAST_CHECKPOINT}"))]
+               for c in sorted(parked.glob(f"**/{LAST_CHECKPOINT}")) if parked_too]
     for committed, run_dir in copies:
         if run_dir is None:
             continue
@@ -264,9 +266,12 @@ def main(argv: list[str]) -> int:
                           ("park", "copy the unfinished runs with a checkpoint to in_progress/ (after stopping them)")):
         p = sub.add_parser(command, help=text)
         p.add_argument("--root", type=Path, default=HERE.parent.parent, help="the repository root (default: this one)")
+        if command == "restore":
+            p.add_argument("--finished-only", action="store_true", help="not the parked runs (a lent GPU runs them afresh)")
     args = parser.parse_args(argv)
     if args.command in ("add", "restore", "park"):
-        said = {"add": lambda: add(args.src, args.dest), "restore": lambda: restore(args.root),
+        said = {"add": lambda: add(args.src, args.dest),
+                "restore": lambda: restore(args.root, parked_too=not args.finished_only),
                 "park": lambda: park(args.root)}[args.command]()
         for line in said:
             print(line)
