@@ -21,9 +21,10 @@
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
-# paper's setting 63 to 120 (19 to 36 s a round, by the other lane's load; IFCA 78 min). About 27
-# lane-hours were left at the end of 2026-11-29's third session (FinP 3 to 4 runs, RC-DPFL 16, one
-# of each parked mid-way); on a lent GPU: gpu_session.sh.
+# paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
+# 63, the oracle 59). FinP's table is complete. About 13 lane-hours were left at the end of
+# 2026-11-29's fourth session (RC-DPFL's 13 runs, two of them parked mid-way); on a lent GPU:
+# gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
