@@ -114,6 +114,9 @@ def test_park_keeps_an_unfinished_run_for_the_next_checkout_and_add_drops_it_onc
         (path / "metrics.csv").write_text("step,accuracy\n0,0.5\n")
         (path / "privacy_ledger.jsonl").write_text('{"round": 0}\n')
         (path / "run.lock").write_text("4242")
+        (path / "report.md").write_text("![accuracy](plots/accuracy.png)\n")  # written when a run is stopped
+        (path / "plots").mkdir()
+        (path / "plots" / "accuracy.png").write_bytes(b"\x89PNG")
         if checkpoint:
             torch.save({"global_step": 7}, path / "checkpoints" / "last.ckpt")
             torch.save({"global_step": 7}, path / "checkpoints" / "round-6.ckpt")

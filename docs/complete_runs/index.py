@@ -202,7 +202,8 @@ def park(root: Path, committed_root: Path = HERE) -> list[str]:
         (target / LAST_CHECKPOINT).parent.mkdir(parents=True)
         shutil.copyfile(checkpoint, target / LAST_CHECKPOINT)
         for file in run.iterdir():
-            if file.is_file() and file.name != "run.lock":
+            # the lock is the killed process's; report.md (its plots are not copied) is rewritten when the run ends
+            if file.is_file() and file.name not in ("run.lock", "report.md"):
                 data = file.read_bytes()
                 gz = file.name in ("metrics.csv",) or file.name.startswith("privacy_ledger")
                 (target / (file.name + ".gz" if gz else file.name)).write_bytes(gzip.compress(data, mtime=0) if gz else data)
