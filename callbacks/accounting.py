@@ -104,8 +104,10 @@ class RDPAccounting(RunAccountant, FederationCallback):
         metrics.update(self.round_metrics())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write checkpoint-only ledgers to the file now that no check can refuse the start."""
+        """Write checkpoint-only ledgers to the file now that no check can refuse the start; count the
+        releases a cut session made after the checkpoint (:meth:`note_resume`)."""
         self.migrate_checkpoint()
+        self.note_resume(int(getattr(pl_module, "start_round", 0)))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Close the ledger file."""

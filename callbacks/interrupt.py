@@ -8,7 +8,10 @@ exits without a checkpoint (SIGINT). Here the first signal lets the round in pro
 ``128 + signal`` (130 for SIGINT, 143 for SIGTERM), and ``--ckpt_path last`` continues the run to
 the same end as an uninterrupted one (every random stream is keyed by round and client). A
 second signal stops at once (``KeyboardInterrupt``), as the shell user who presses Ctrl-C twice
-expects.
+expects, unless it comes within :data:`REPEAT_WINDOW_S` of the first: a stop request often arrives
+twice (a process group's signal, and the harness above passing the same signal on,
+:mod:`fedfdp.experiments.stop_signals`), and a stop at once cuts the round, whose releases then
+stay charged and are made again on resume.
 
 Written by hand: Lightning has no callback that checkpoints on a signal outside SLURM requeueing.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,6 +34,10 @@ logger = logging.getLogger(__name__)
 #: The signals that stop a run gracefully (SIGHUP: the terminal closed). A signal the process
 #: inherited as ignored (``nohup`` ignores SIGHUP, a shell's background job SIGINT) stays ignored.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+#: A repeat of the stop signal within this many seconds of the first is the same request (module docstring).
+REPEAT_WINDOW_S = 2.0
 
 
 def exit_status(signum: int) -> int:
@@ -46,19 +54,26 @@ class GracefulInterrupt(Callback):
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._first_at = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
         self._module: LightningModule | None = None
 
     # ---- handlers -------------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # the second signal: stop now
+        if self.signum is not None:  # the second signal: stop now, unless it repeats the first request
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                logger.info("received %s again within %.0f s: the same stop request (still stopping after the round)",
+                            signal.Signals(signum).name, REPEAT_WINDOW_S)
+                return
             self._restore()
             if self._module is not None:
                 self._module.stop_signal = signum  # type: ignore[assignment]
             raise KeyboardInterrupt
         self.signum = signum
+        self._first_at = time.monotonic()
         logger.warning("received %s: stopping after the round in progress (checkpoint, summary with status "
-                       "interrupted); send it again to stop at once", signal.Signals(signum).name)
+                       "interrupted); send it again (after %.0f s) to stop at once", signal.Signals(signum).name,
+                       REPEAT_WINDOW_S)
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -210,6 +210,7 @@ class RunSummary(FederationCallback):
             out["delta"] = accountant.delta
             out["target_epsilon"] = accountant.target_epsilon
             out["accounting_mode"] = accountant.accounting_mode
+            out["releases_repeated"] = accountant.repeated_releases  # charged twice: a session cut mid-round
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -120,6 +120,28 @@ class ReleaseTrace(FederationCallback):
             os.fsync(f.fileno())
 
 
+class CutMidRound(FederationCallback):
+    """Test-only: ends the process at once (``os._exit(137)``, as SIGKILL would) right after client
+    ``client``'s upload of round ``round`` (0-based) is charged: a session cut mid-round. Once: the
+    ``marker`` file it leaves disarms it, so the resumed run (which keeps the saved config) goes on.
+    """
+
+    def __init__(self, round: int, marker: str, client: int = 0) -> None:
+        self.round = round
+        self.marker = marker
+        self.client = client
+
+    def on_client_release(self, trainer: Trainer, federation: Federation, update: Any) -> None:
+        """Cut the process after the accountant (an earlier callback) charged this upload."""
+        import os
+        from pathlib import Path
+
+        armed = not Path(self.marker).exists()
+        if armed and federation.current_round == self.round and update.client_id == self.client:
+            Path(self.marker).write_text("cut\n")
+            os._exit(137)
+
+
 def microbatch_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Reference: one backward per sample; returns (B, d)."""
     rows = []

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.__main__ import main
 from fedfdp.experiments.paper_tables import Column, Run, apply_overrides, collect, execute, markdown_table, plan_runs
 from tests.conftest import REPO
@@ -51,7 +52,7 @@ def test_a_run_finished_after_planning_is_not_started_again(tmp_path, monkeypatc
     run = Run("table4", "FedAvg", "dpfedavg", Column("FMNIST", "fmnist"), 0, TINY, tmp_path / "s0")
     _fake(run.run_dir, 0.80, 1e-2)
     (run.run_dir / "harness.json").write_text(json.dumps({"command": ["fit"], "returncode": 0, "wall_seconds": 12.5}))
-    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started again")))
+    monkeypatch.setattr(stop_signals, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started again")))
     assert execute(run, None, 0, []) == (run, 0, 12.5)
     assert json.loads((run.run_dir / "harness.json").read_text())["wall_seconds"] == 12.5
     assert not (run.run_dir / "input_config.yaml").exists()
@@ -94,7 +95,7 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     # a config edited after its runs finished: they are not its runs (neither tabulated nor run again)
     dp["model"]["algorithm"]["init_args"]["lr"] = 0.5
     (configs / "fmnist_scaffold_dp.yaml").write_text(yaml.safe_dump(dp))
-    monkeypatch.setattr("subprocess.run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.setattr(stop_signals, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     caplog.clear()
     with caplog.at_level("ERROR", logger="fedfdp.experiments.runner"):
         assert main(args) == 1

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
 
 import pytest
 
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.results import ended_with_missing_clients, finished_summary, is_finished, read_summary
 from fedfdp.experiments.runner import Runner, RunSpec
 from fedfdp.participation import Participation, compact_rounds, coverage_note, final_status, has_missing_clients
@@ -75,7 +75,7 @@ def test_harnesses_neither_tabulate_nor_rerun_a_run_with_clients_left_out(tmp_pa
     assert ended_with_missing_clients(summary) is missing
     complete = runpy.run_path(str(REPO / "docs" / "complete_runs" / "tabulate.py"))["complete"]
     assert complete(summary) is not missing
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(stop_signals, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     spec = RunSpec(run_dir=tmp_path / "run", config=tmp_path / "c.yaml")
     result = Runner().run(spec)
     assert result.status == ("incomplete" if missing else "skipped") and result.finished is not missing

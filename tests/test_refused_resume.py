@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.fit import main
 from fedfdp.runlock import RunLock
@@ -131,7 +131,8 @@ def test_a_client_that_refuses_a_round_changes_no_file(tmp_path):
 
 # ---- the experiment runner -----------------------------------------------------------------------
 class Fit:
-    """Stands in for ``subprocess.run``: writes ``output``; with ``start`` it changes the run directory."""
+    """Stands in for :func:`fedfdp.experiments.stop_signals.launch`: writes ``output``; with ``start`` it
+    changes the run directory."""
 
     def __init__(self, code: int = 2, output: str = "error: cannot resume\n", start: bool = False) -> None:
         self.code, self.output, self.start, self.calls = code, output, start, []
@@ -143,7 +144,7 @@ class Fit:
             run_dir = Path(cmd[cmd.index("--run_dir") + 1])
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(Path(cmd[cmd.index("--config") + 1]).read_text())
-        return subprocess.CompletedProcess(cmd, self.code)
+        return self.code
 
 
 def _interrupted(run: Path) -> None:
@@ -159,7 +160,7 @@ def test_the_runner_changes_no_file_before_the_fit_starts(run, monkeypatch):
     _interrupted(run)
     spec = RunSpec(run_dir=run, config=run / "input_config.yaml", make_config=lambda: {"model": {"num_rounds": 3}})
     refusing = Fit()
-    monkeypatch.setattr(subprocess, "run", refusing)
+    monkeypatch.setattr(stop_signals, "launch", refusing)
     before = dir_state(run)
     result = Runner().run(spec)
     assert result.status == "failed" and result.returncode == 2 and dir_state(run) == before
@@ -167,7 +168,7 @@ def test_the_runner_changes_no_file_before_the_fit_starts(run, monkeypatch):
     (cmd,) = refusing.calls
     assert cmd[cmd.index("--config") + 1] != str(spec.config) and cmd[-2:] == ["--ckpt_path", "last"]
     starting = Fit(code=0, output="training\n", start=True)
-    monkeypatch.setattr(subprocess, "run", starting)
+    monkeypatch.setattr(stop_signals, "launch", starting)
     assert Runner().run(spec).status == "ran"
     assert (run / "input_config.yaml").read_text() == "model:\n  num_rounds: 3\n"
     assert (run / "fit.log").read_text() == "first session\ntraining\n"
@@ -176,7 +177,7 @@ def test_the_runner_changes_no_file_before_the_fit_starts(run, monkeypatch):
 
 def test_the_runner_leaves_a_busy_run_directory_and_puts_a_moved_run_back(run, tmp_path, monkeypatch):
     _interrupted(run)
-    monkeypatch.setattr(subprocess, "run", Fit())
+    monkeypatch.setattr(stop_signals, "launch", Fit())
     lock = RunLock(run).acquire()
     before = dir_state(run)
     try:

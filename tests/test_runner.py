@@ -4,13 +4,13 @@ skip finished runs, resume interrupted ones, move aside runs without a checkpoin
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.results import (
     finished_summary, format_mean_std, group_rows, is_finished, mean_std, read_metrics, read_summary,
     recorded_wall_seconds,
@@ -36,11 +36,12 @@ def _no_config():
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(stop_signals, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
 
 
 class FakeFit:
-    """Stands in for ``subprocess.run``: records each launch, writes ``output`` to the log, exits ``code``;
+    """Stands in for :func:`fedfdp.experiments.stop_signals.launch`: records each launch, writes ``output``
+    to the log, exits ``code``;
     with ``start`` it writes the run directory's ``config.yaml`` (the fit started), with ``finish`` a summary."""
 
     def __init__(self, code=0, output="", finish=False, start=False):
@@ -55,7 +56,7 @@ class FakeFit:
             (run_dir / "config.yaml").write_text(f"started {len(self.calls)}\n")
         if self.finish:
             _summary(run_dir, rounds=2, planned=2)
-        return subprocess.CompletedProcess(cmd, self.code)
+        return self.code
 
 
 @pytest.mark.parametrize("status, rounds, planned, finished", [
@@ -129,7 +130,7 @@ def test_command_seeds_nices_checkpoints_every_round_and_resumes_from_the_last_c
 
 def test_a_launch_writes_its_config_log_and_harness_and_reports_failure(tmp_path, monkeypatch):
     fake = FakeFit(code=3, output="starting\nerror: boom\nTraceback tail\n", start=True)
-    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(stop_signals, "launch", fake)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("WANDB_MODE", "online")
     spec = RunSpec(run_dir=tmp_path / "runs" / "a", config=tmp_path / "configs" / "a.yaml", seed=1,
@@ -150,7 +151,7 @@ def test_a_launch_writes_its_config_log_and_harness_and_reports_failure(tmp_path
 
 def test_results_without_a_checkpoint_are_moved_aside_and_the_run_starts_again(tmp_path, monkeypatch):
     fake = FakeFit(finish=True)
-    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(stop_signals, "launch", fake)
     run_dir = tmp_path / "seed0"
     _summary(run_dir, "interrupted", rounds=1, planned=2)
     result = Runner().run(RunSpec(run_dir=run_dir, config=TINY))
@@ -162,7 +163,7 @@ def test_results_without_a_checkpoint_are_moved_aside_and_the_run_starts_again(t
 
 def test_run_all_keeps_the_order_and_launches_nothing_after_the_caller_stops(tmp_path, monkeypatch):
     fake = FakeFit(finish=True)
-    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(stop_signals, "launch", fake)
     specs = [RunSpec(run_dir=tmp_path / f"r{k}", config=TINY) for k in range(4)]
     results = Runner().run_all(specs)
     assert next(results).spec == specs[0]
@@ -223,7 +224,7 @@ def test_the_commands_report_a_failed_run_in_one_error_line(tmp_path, monkeypatc
 
     monkeypatch.chdir(REPO)
     fake = FakeFit(code=2, output="loading\nerror: data not found\n")
-    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(stop_signals, "launch", fake)
     assert main(["rcdpfl-table", "--methods", "rcdpfl", "--seeds", "0", "1", "--out", str(tmp_path / "rc")]) == 1
     # only the error lines: log lines of earlier tests' handlers may share stderr in a full run
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

@@ -7,17 +7,21 @@
 #
 #   bash docs/complete_runs/cpu_queue.sh            # both lanes, detached; logs in runs/cpu_queue/
 #   LANES=1 bash docs/complete_runs/cpu_queue.sh    # only lane 1 (e.g. while the cores are needed)
+#   bash docs/complete_runs/cpu_queue.sh stop       # stop every lane after its round, then park
 #
-# A checkout does not keep runs/: before a session ends, stop the lanes (pkill -f fedfdp.experiments;
-# pkill -f fedfdp.fit) and `python docs/complete_runs/index.py park`, then commit docs/complete_runs:
-# the cut runs' last checkpoints go to docs/complete_runs/in_progress/, and this script's restore
-# writes them back, so the next session resumes them where they stopped.
+# A checkout does not keep runs/: before a session ends, `bash docs/complete_runs/cpu_queue.sh stop`
+# (up to a round's time: one SIGTERM to each lane's process group ends the lane and its harness, and
+# lets the running fit end its round and checkpoint; a kill instead would cut the round, whose
+# releases stay charged and are made again, a round of budget lost each time: docs/running.md), then
+# commit docs/complete_runs: `stop` ends with `index.py park`, which copies the stopped runs' last
+# checkpoints to docs/complete_runs/in_progress/, and this script's restore writes them back, so the
+# next session resumes them where they stopped.
 #
 # Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
 #         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, rcdpfl and kmcdpfl
-#         (the paper's method before the baseline it beats by most).
-# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's oracle, local,
-#         local without DP.
+#         (the paper's method before the baseline it beats by most), then each client alone without DP.
+# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's oracle and
+#         each client alone with DP-SGD (local without DP moved to lane 1, which ends sooner).
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
@@ -45,7 +49,7 @@ lane1() {
     --out runs/paper
   keep runs/paper/table5 table5_fmnist
   keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
-  for method in dpfedavg ifca rcdpfl kmcdpfl; do
+  for method in dpfedavg ifca rcdpfl kmcdpfl local_nodp; do
     for seed in 0 1 2; do  # one seed a command: each run is copied to docs/complete_runs as it lands
       $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
       keep runs/rcdpfl_paper rcdpfl_mnist
@@ -64,7 +68,7 @@ lane2() {
       keep runs/finp_cnn finp_fmnist
     done
   done
-  for method in oracle local local_nodp; do
+  for method in oracle local; do
     for seed in 0 1 2; do
       $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
       keep runs/rcdpfl_paper rcdpfl_mnist
@@ -72,10 +76,34 @@ lane2() {
   done
 }
 
+if [ "${1:-}" = stop ]; then
+  groups=()
+  for pidfile in "$LOG"/lane*.pid; do
+    [ -e "$pidfile" ] || continue
+    pgid=$(ps -o pgid= -p "$(cat "$pidfile")" 2>/dev/null | tr -d ' ') || true
+    [ -n "$pgid" ] && groups+=("$pgid") && kill -TERM -- "-$pgid" 2>/dev/null || true
+    rm -f "$pidfile"
+  done
+  echo "stopping ${#groups[@]} lane(s): each running fit ends its round and checkpoints"
+  for _ in $(seq "${STOP_WAIT:-900}"); do  # the slowest round measured here: about 40 s
+    alive=0
+    for pgid in "${groups[@]}"; do pgrep -g "$pgid" > /dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 1
+  done
+  if [ "$alive" = 1 ]; then
+    echo "error: lanes still running after ${STOP_WAIT:-900} s (process groups ${groups[*]}): not parked" >&2
+    exit 1
+  fi
+  python docs/complete_runs/index.py park
+  exit 0
+fi
+
 # runs/ is not committed: a fresh checkout gets the committed finished runs back first, so the
 # harnesses skip them (index.py restore keeps every run directory that exists)
 python docs/complete_runs/index.py restore | grep -c '^restored' | sed 's/^/restored committed runs: /' || true
 for lane in $LANES; do
   setsid nohup bash -c "$(declare -f keep "lane$lane"); exp='$exp'; lane$lane" > "$LOG/lane$lane.log" 2>&1 < /dev/null &
+  echo "$!" > "$LOG/lane$lane.pid"
   echo "lane $lane: pid $!, log $LOG/lane$lane.log"
 done

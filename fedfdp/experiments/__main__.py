@@ -11,6 +11,7 @@ import sys
 import fedfdp.experiments as package
 from fedfdp.cli.log_setup import StderrHandler
 from fedfdp.experiments._common import OneLineErrorParser
+from fedfdp.experiments.stop_signals import HarnessInterrupted
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[StderrHandler()])
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except HarnessInterrupted as err:  # the fits ended their round and checkpointed (stop_signals)
+        logging.getLogger("fedfdp.experiments").error("error: %s", err)
+        return 128 + err.signum
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ crash-proof ledger keeps their first releases charged, so with the fit's default
 every ``eval_every`` rounds) each kill cost up to ``eval_every − 1`` rounds of budget (measured: a
 local DP-SGD run of Table V killed after round 45 with its checkpoint at 39 charged rounds 40-45
 twice and ended at 177 of 183 rounds). A checkpoint a round costs nothing measurable for these
-models (docs/privacy.md, ``benchmarks/checkpoint.py``).
+models (docs/privacy.md, ``benchmarks/checkpoint.py``). A stop signal does not cut a round at all:
+the runner passes SIGINT/SIGTERM on to the running fit, which ends its round and checkpoints, then
+starts no further run and raises :class:`~fedfdp.experiments.stop_signals.HarnessInterrupted`
+(:mod:`fedfdp.experiments.stop_signals`).
 
 Like ``fedfdp.fit``, the runner changes no file of the run directory before the fit has accepted
 the start (:mod:`fedfdp.experiments.staging`): a config the spec makes (:attr:`RunSpec.make_config`)
@@ -58,6 +61,7 @@ from fedfdp.errors import ConfigError
 from fedfdp.experiments.provenance import saved_config_differences
 from fedfdp.experiments._common import print_command
 from fedfdp.experiments.results import ended_with_missing_clients, is_finished, read_summary, recorded_wall_seconds
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.staging import StagedOutput, snapshot
 from fedfdp.participation import rounds_phrase
 from fedfdp.rundir import LOG_NAME, RunPaths, run_files
@@ -209,12 +213,16 @@ class Runner:
     def run(self, spec: RunSpec) -> RunResult:
         """Run (or resume) one run; skip it when it has finished. Changes no file of the run directory
         unless the fit starts (module docstring)."""
-        early = self._refusal(spec)
-        if early is not None:
-            return early
-        stale = self._move_aside(spec)
-        with tempfile.TemporaryDirectory(prefix="fedfdp-launch-") as tmp:
-            return self._launch(spec, Path(tmp), stale)
+        with stop_signals.installed():
+            stop_signals.check()  # a stop signal arrived: no further run starts
+            early = self._refusal(spec)
+            if early is not None:
+                return early
+            stale = self._move_aside(spec)
+            with tempfile.TemporaryDirectory(prefix="fedfdp-launch-") as tmp:
+                result = self._launch(spec, Path(tmp), stale)
+            stop_signals.check()  # the fit ended its round and checkpointed on the signal: stop here
+            return result
 
     def _launch(self, spec: RunSpec, tmp: Path, stale: Path | None) -> RunResult:
         """Launch the fit with its config and output staged in ``tmp``; commit them if it started."""
@@ -225,29 +233,30 @@ class Runner:
         output = StagedOutput(tmp / LOG_NAME, RunPaths(spec.run_dir).log, lambda: snapshot(spec.run_dir) != before)
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, stdout=output.stdout, stderr=subprocess.STDOUT, env=self._environment())
+            returncode = stop_signals.launch(cmd, stdout=output.stdout, stderr=subprocess.STDOUT,
+                                             env=self._environment())
         finally:
             started = output.finish()
         wall = time.perf_counter() - start
-        status: Literal["ran", "failed"] = "ran" if proc.returncode == 0 else "failed"
+        status: Literal["ran", "failed"] = "ran" if returncode == 0 else "failed"
         if not started:
             if stale is not None:
                 _move_back(stale, spec.run_dir)
             kept = output.keep(spec.run_dir.name)
             logger.error("FAILED %s (exit %d): the fit did not start and nothing there was changed; its output: %s",
-                         spec.run_dir, proc.returncode, kept)
-            return RunResult(spec, status, proc.returncode, wall, read_summary(spec.run_dir), log_file=kept)
+                         spec.run_dir, returncode, kept)
+            return RunResult(spec, status, returncode, wall, read_summary(spec.run_dir), log_file=kept)
         if config != spec.config:  # the staged config takes its place now that the fit has started
             spec.config.write_text(config.read_text())
         recorded = [str(spec.config) if c == str(config) else c for c in cmd]
-        RunPaths(spec.run_dir).harness.write_text(json.dumps({"command": recorded, "returncode": proc.returncode,
+        RunPaths(spec.run_dir).harness.write_text(json.dumps({"command": recorded, "returncode": returncode,
                                                                "wall_seconds": wall}, indent=1))
         if status == "failed":
-            logger.error("FAILED %s (exit %d, %.0f s): see %s", spec.run_dir, proc.returncode, wall,
+            logger.error("FAILED %s (exit %d, %.0f s): see %s", spec.run_dir, returncode, wall,
                          RunPaths(spec.run_dir).log)
         else:
             logger.info("done %s in %.0f s", spec.run_dir, wall)
-        return RunResult(spec, status, proc.returncode, wall, read_summary(spec.run_dir))
+        return RunResult(spec, status, returncode, wall, read_summary(spec.run_dir))
 
     def run_sweep(self, specs: Iterable[RunSpec]) -> list[RunResult]:
         """Fit the unfinished runs of ``specs`` together in this process (:mod:`fedfdp.sweep`).
@@ -360,17 +369,18 @@ class Runner:
         Stopping the iteration early starts no further run (runs already started are waited for).
         """
         specs = list(specs)
-        if jobs <= 1:
-            for spec in specs:
-                yield self.run(spec)
-            return
-        pool = ThreadPoolExecutor(max_workers=jobs)
-        try:
-            futures = [pool.submit(self.run, spec) for spec in specs]
-            for future in futures:
-                yield future.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        with stop_signals.installed():  # in the main thread: the workers' fits get the stop signals
+            if jobs <= 1:
+                for spec in specs:
+                    yield self.run(spec)
+                return
+            pool = ThreadPoolExecutor(max_workers=jobs)
+            try:
+                futures = [pool.submit(self.run, spec) for spec in specs]
+                for future in futures:
+                    yield future.result()
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}

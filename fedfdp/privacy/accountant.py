@@ -44,6 +44,8 @@ class PrivacyAccountant(Protocol):
         ledger_path: the durable ledger file (None: in memory and checkpoints only); the command line
             sets ``<run_dir>/privacy_ledger.jsonl`` (:data:`fedfdp.rundir.LEDGER`).
         allow_non_private: run releases without a guarantee for analysis (ε then infinite).
+        repeated_releases: releases charged twice because a session was cut after its last
+            checkpoint and the resumed run made them again (``summary.json``'s ``releases_repeated``).
     """
 
     is_privacy_accountant: ClassVar[bool]
@@ -54,6 +56,7 @@ class PrivacyAccountant(Protocol):
     accountant: Accountant
     ledger_path: str | None
     allow_non_private: bool
+    repeated_releases: int
 
     # ---- what a run reads -----------------------------------------------------------------------
     @property

@@ -63,6 +63,7 @@ class RunLedger:
         self.budget_ledgers: dict[int, PrivacyLedger] = {}    # releases counted by ``mode``
         self._spent: dict[int, float] = {}
         self._budget_spent: dict[int, float] = {}
+        self.read_rounds: list[int] = []  # the round of every entry the file held when opened
 
     # ---- in memory ------------------------------------------------------------------------------
     def counted(self, events: Iterable[tuple[str, DPEvent]]) -> list[DPEvent]:
@@ -136,6 +137,7 @@ class RunLedger:
             self.file.close()
         self.file = LedgerFile(self.path, rank=rank)
         entries = self.file.read()
+        self.read_rounds = [entry.round for entry in entries]
         self.reset()
         by_client: dict[int, list[tuple[str, DPEvent]]] = {}
         for entry in entries:
@@ -146,6 +148,15 @@ class RunLedger:
         if entries:
             logger.info("privacy ledger %s: %d earlier releases of %d clients charged (epsilon %.4f so far)",
                         self.path, len(entries), len(by_client), self.epsilon())
+
+    def releases_since(self, round_idx: int) -> int:
+        """How many entries the file held when opened that were made in round ``round_idx`` or later.
+
+        Resumed from a checkpoint at round ``round_idx``, these are the releases a session made after
+        its last checkpoint before it was cut: they stay charged, and the rounds they belong to run
+        (and release) again.
+        """
+        return sum(1 for r in self.read_rounds if r >= round_idx)
 
     def charge(self, round_idx: int, client_id: int, events: Sequence[tuple[str, DPEvent]], *,
                sync: bool = True) -> None:

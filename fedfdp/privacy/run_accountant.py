@@ -105,6 +105,7 @@ class RunAccountant:
         self.guarantee_checked = False  # set once every release and upload field was checked at start
         self.declared_uploads: dict[str, str | None] | None = None  # upload field -> how it is private
         self._charged: set[int] = set()  # clients of the current round charged by charge_upload
+        self.repeated_releases = 0  # releases charged twice: made after a checkpoint, again on resume
         self.ledger = RunLedger(orders=self.orders, delta=delta, mode=accounting_mode, accountant_kind=accountant,
                                 path=ledger_path)
 
@@ -209,6 +210,21 @@ class RunAccountant:
         """Open the ledger file (this process's ``rank``) and rebuild every ledger from it (no-op without one)."""
         self.ledger.open(rank)
 
+    def note_resume(self, start_round: int) -> int:
+        """Count the releases the ledger file holds from round ``start_round`` on (the checkpoint's):
+        a cut session made them after its last checkpoint, they stay charged (fail-closed: they were
+        made), and their rounds release again, so the budget may allow fewer rounds than an
+        uninterrupted run. Added to :attr:`repeated_releases` (``summary.json``) and warned; the count."""
+        repeated = self.ledger.releases_since(start_round)
+        if repeated:
+            self.repeated_releases += repeated
+            logger.warning(
+                "the privacy ledger holds %d releases made after the checkpoint (round %d) by a session that was cut "
+                "mid-round: they stay charged and their rounds release again, so this run may end rounds earlier "
+                "than an uninterrupted one (%d releases repeated in all); stop runs with one SIGTERM or Ctrl-C, "
+                "which ends the round first", repeated, start_round, self.repeated_releases)
+        return repeated
+
     # ---- planning ---------------------------------------------------------------------------
     def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int) -> int | None:
         """The round count (from round 0) at which the budget is spent, given what is already charged.
@@ -310,7 +326,7 @@ class RunAccountant:
 
     def state_dict(self) -> dict[str, Any]:
         """Every ledger's history (a copy: with a ledger file, the file is the source of truth)."""
-        return {"unbounded": self.unbounded, **self.ledger.state_dict()}
+        return {"unbounded": self.unbounded, "repeated_releases": self.repeated_releases, **self.ledger.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the ledgers from a checkpoint, unless the ledger file already holds them.
@@ -320,6 +336,7 @@ class RunAccountant:
         (:meth:`migrate_checkpoint`).
         """
         self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
+        self.repeated_releases = int(state_dict.get("repeated_releases", 0))
         self.ledger.load_state_dict(state_dict)
 
     def migrate_checkpoint(self) -> None:

@@ -1,0 +1,130 @@
+"""Stopping a harness without cutting a round: SIGINT/SIGTERM pass on to the running fits, which end
+their round, and no further run starts.
+
+A fit stopped by one signal finishes the round in progress, checkpoints and exits ``128 + signal``
+(:class:`callbacks.GracefulInterrupt`). A fit killed mid-round instead has charged that round's
+releases in its privacy ledger (fail-closed: they were made) and makes them again when it resumes,
+so every cut costs a round of budget: measured on the RC-DPFL paper-setting runs, a seed cut once
+ended at 199 of its 200 rounds with the same ε. Without this module a harness cut its fits:
+``subprocess.run`` kills its child with SIGKILL when the waiting thread gets ``KeyboardInterrupt``
+(Ctrl-C), and Python's default SIGTERM ends the harness at once, leaving the stop to whatever
+kills the orphaned fit next.
+
+Here, while :func:`installed` is active (the main thread of a harness), the first SIGINT or SIGTERM
+is passed on to every fit launched through :func:`launch` (a fit that got the same signal from its
+process group sees the copy within :data:`callbacks.interrupt.REPEAT_WINDOW_S` and takes both as one
+request), the harness waits for them, and :func:`check` raises :class:`HarnessInterrupted` before
+any further run starts; ``python -m fedfdp.experiments`` then exits ``128 + signal`` and the same
+command resumes. A second signal, passed on as well, stops the fits at once.
+
+Written by hand: neither ``subprocess`` nor ``concurrent.futures`` forwards signals to children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["HarnessInterrupted", "check", "installed", "launch"]
+
+logger = logging.getLogger(__name__)
+
+#: The signals a harness passes on to its fits (SIGHUP: ``nohup`` harnesses ignore it).
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+class HarnessInterrupted(Exception):
+    """A stop signal arrived: the running fits ended (checkpointed) and no further run was started."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(f"interrupted by {signal.Signals(signum).name}: the running fits finished their round and "
+                         f"checkpointed, no further run was started; run the same command again to resume")
+
+
+class _State:
+    """The process's stop state: the fits running, the signal received, the installed handlers."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.children: set[subprocess.Popen[Any]] = set()
+        self.signum: int | None = None
+        self.depth = 0
+        self.previous: dict[int, Any] = {}
+
+
+_state = _State()
+
+
+def _handle(signum: int, frame: Any) -> None:
+    with _state.lock:
+        first = _state.signum is None
+        _state.signum = signum
+        children = list(_state.children)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+    logger.warning("received %s: %s %d running fit(s)%s", signal.Signals(signum).name,
+                   "passed on to" if first else "passed on again (they stop at once) to", len(children),
+                   "; they end their round and checkpoint, and no further run starts (send it again to stop them "
+                   "at once)" if first else "")
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Pass SIGINT/SIGTERM on to the running fits while active (nestable; the main thread installs
+    the handlers, other threads only use them). The stop state is cleared when the outermost exits."""
+    main = threading.current_thread() is threading.main_thread()
+    with _state.lock:
+        _state.depth += 1
+        outermost = _state.depth == 1
+    if outermost and main:
+        for sig in FORWARDED:
+            previous = signal.getsignal(sig)
+            if previous != signal.SIG_IGN:  # an inherited ignore (a background job's SIGINT) stays
+                _state.previous[sig] = previous
+                signal.signal(sig, _handle)
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.depth -= 1
+            last = _state.depth == 0
+            if last:
+                _state.signum = None
+        if last:
+            for sig, previous in _state.previous.items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            _state.previous.clear()
+
+
+def check() -> None:
+    """Raise :class:`HarnessInterrupted` when a stop signal has arrived (before a run starts)."""
+    signum = _state.signum
+    if signum is not None:
+        raise HarnessInterrupted(signum)
+
+
+def launch(cmd: Sequence[str], **popen: Any) -> int:
+    """Run ``cmd`` to its end (``subprocess.Popen(cmd, **popen)``), passing stop signals on to it;
+    its exit status. Refuses to start once a stop signal has arrived (:func:`check`)."""
+    with installed():
+        with _state.lock:
+            if _state.signum is not None:
+                signum = _state.signum
+            else:
+                signum = None
+                proc = subprocess.Popen(list(cmd), **popen)
+                _state.children.add(proc)
+        if signum is not None:
+            raise HarnessInterrupted(signum)
+        try:
+            return proc.wait()
+        finally:
+            with _state.lock:
+                _state.children.discard(proc)
