@@ -103,7 +103,8 @@ fi
 # harnesses skip them (index.py restore keeps every run directory that exists)
 python docs/complete_runs/index.py restore | grep -c '^restored' | sed 's/^/restored committed runs: /' || true
 for lane in $LANES; do
-  setsid nohup bash -c "$(declare -f keep "lane$lane"); exp='$exp'; lane$lane" > "$LOG/lane$lane.log" 2>&1 < /dev/null &
-  echo "$!" > "$LOG/lane$lane.pid"
+  # the lane's shell writes its own pid: it leads the lane's process group (setsid), which `stop` signals
+  setsid nohup bash -c "echo \$\$ > '$LOG/lane$lane.pid'; $(declare -f keep "lane$lane"); exp='$exp'; lane$lane" \
+    > "$LOG/lane$lane.log" 2>&1 < /dev/null &
   echo "lane $lane: pid $!, log $LOG/lane$lane.log"
 done
