@@ -220,6 +220,9 @@ def _write_report(run_dir: Path) -> Path:
     if "epsilon" in summary:
         lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
+    if summary.get("releases_repeated"):  # a session was cut mid-round: its releases charged again on resume
+        lines.append(f"| releases charged twice (a session cut mid-round, made again on resume) | "
+                     f"{summary['releases_repeated']} |")
     lines.append(f"| privacy claim | {privacy_claim(summary)} |")
     lines.append(f"| seconds per round / peak memory | {_fmt(summary.get('seconds_per_round'))} s / "
                  f"{summary['peak_memory_mb']:.0f} MB |")

@@ -185,3 +185,7 @@ def test_a_session_cut_mid_round_keeps_its_releases_charged_and_the_resume_count
     assert per_client[0] == max(per_client.values()) > min(per_client.values())
     assert summary["status"] == "budget_spent" and summary["epsilon"] <= 5.0
     assert summary["rounds_run"] < whole["rounds_run"]  # the cost of the cut: the budget ends a round earlier
+    report = (cut / "report.md").read_text()
+    assert f"| releases charged twice (a session cut mid-round, made again on resume) | {len(made_after_checkpoint)} |" \
+        in report
+    assert "releases charged twice" not in (straight / "report.md").read_text()
