@@ -51,7 +51,7 @@ class _State:
     """The process's stop state: the fits running, the signal received, the installed handlers."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: the handler may run in the main thread while it holds it
         self.children: set[subprocess.Popen[Any]] = set()
         self.signum: int | None = None
         self.depth = 0
@@ -114,16 +114,19 @@ def launch(cmd: Sequence[str], **popen: Any) -> int:
     """Run ``cmd`` to its end (``subprocess.Popen(cmd, **popen)``), passing stop signals on to it;
     its exit status. Refuses to start once a stop signal has arrived (:func:`check`)."""
     with installed():
+        arrived: int | None = None
         with _state.lock:
-            if _state.signum is not None:
-                signum = _state.signum
-            else:
-                signum = None
+            signum = _state.signum
+            if signum is None:
                 proc = subprocess.Popen(list(cmd), **popen)
                 _state.children.add(proc)
+                arrived = _state.signum  # a signal handled while Popen ran (in this thread) missed the child
         if signum is not None:
             raise HarnessInterrupted(signum)
         try:
+            if arrived is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(arrived)
             return proc.wait()
         finally:
             with _state.lock:
