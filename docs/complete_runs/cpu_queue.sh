@@ -26,9 +26,10 @@
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
-# 63, the oracle 59). FinP's table is complete. About 13 lane-hours were left at the end of
-# 2026-11-29's fourth session (RC-DPFL's 13 runs, two of them parked mid-way); on a lent GPU:
-# gpu_session.sh.
+# 63, the oracle 59, each client alone with DP-SGD about 55). FinP's table is complete, and RC-DPFL's
+# DPFedAvg, IFCA, RC-DPFL and oracle rows. About 5 to 6 lane-hours were left at the end of 2026-11-29's
+# fifth session (KM-CDPFL seeds 1-2 and each client alone without DP on lane 1, each client alone
+# with DP-SGD seeds 1-2 on lane 2, plus what `stop` parked); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
