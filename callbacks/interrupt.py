@@ -92,8 +92,10 @@ class GracefulInterrupt(Callback):
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Install the handlers (after Lightning's, which would end the run as if it had finished)."""
-        self.signum = None
+        """Install the handlers (after Lightning's, which would end the run as if it had finished).
+
+        A request that came before (a sweep passes one on to runs still starting) is kept: the run
+        stops after its first round."""
         self._module = pl_module
         self._install()
 
@@ -112,8 +114,9 @@ class GracefulInterrupt(Callback):
         trainer.should_stop = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Give the signals back to their previous handlers."""
+        """Give the signals back to their previous handlers; the next fit starts with no request."""
         self._restore()
+        self.signum = None
 
     @staticmethod
     def checkpoint_path(trainer: Trainer) -> Path | None:

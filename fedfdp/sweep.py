@@ -14,8 +14,9 @@ clipped sum, and each run goes on with its own clip rules, noise, divisor, step,
 accounting. So a run's result is that of the same run alone, up to floating-point summation order.
 
 A run that ends (budget spent, diverged, refused) leaves the rendezvous and the others go on; the
-first SIGTERM/SIGINT makes every run checkpoint at its round boundary and stop (resume with
-``--ckpt_path last``), a second one stops the process at once. Python runs one thread at a time,
+first SIGTERM/SIGINT (from the sweep's start, while its runs are still built) makes every run
+checkpoint at its round boundary and stop (resume with ``--ckpt_path last``), a repeat within two
+seconds is the same request, a later one stops the process at once. Python runs one thread at a time,
 so the runs' bookkeeping (callbacks, logging) is serial; the batched pass is where the time goes.
 
 Written by hand: Lightning runs one ``Trainer.fit`` per call and has no notion of batching the
@@ -225,11 +226,71 @@ def run_sweep(runs: list[SweepRun], *, log_dir: Path | None = None) -> int:
     """
     from datamodules.shared import shared_setups
 
-    with shared_setups():  # one copy of the data for all runs that read it
-        return _run_sweep(runs)
+    # the stop signals are the sweep's from its first line: one arriving while the runs are built
+    # (seconds: data, checkpoints) stops them too, where it used to reach no run (or a handler above)
+    with shared_setups(), _StopRequest() as stop:  # one copy of the data for all runs that read it
+        return _run_sweep(runs, stop)
 
 
-def _run_sweep(runs: list[SweepRun]) -> int:
+class _StopRequest:
+    """A sweep's SIGINT/SIGTERM/SIGHUP, from before its runs are built until they have all ended.
+
+    The first makes every run stop after its round in progress (checkpoint, status interrupted; a
+    run not fitting yet does not start); a repeat within :data:`callbacks.interrupt.REPEAT_WINDOW_S`
+    is the same request (a process group's signal and a harness's copy), a later one stops the
+    process at once (``KeyboardInterrupt``). Installed from the main thread only (a sweep run in a
+    worker thread leaves the signals to that process's main thread).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._first_at = 0.0
+        self._interrupts: list[Any] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        from callbacks.interrupt import STOP_SIGNALS
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) != signal.SIG_IGN:  # an inherited ignore (nohup's SIGHUP) stays
+                    self._previous[sig] = signal.getsignal(sig)
+                    signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        from callbacks.interrupt import REPEAT_WINDOW_S
+
+        if self.signum is not None:
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                return  # the same request
+            self._restore()
+            raise KeyboardInterrupt
+        self.signum, self._first_at = signum, time.monotonic()
+        logger.warning("received %s: every run of the sweep stops after its round in progress (checkpoint, "
+                       "status interrupted); send it again (after %.0f s) to stop at once",
+                       signal.Signals(signum).name, REPEAT_WINDOW_S)
+        for cb in self._interrupts:
+            cb.signum = signum
+
+    def watch(self, interrupts: list[Any]) -> None:
+        """Pass the request on to these runs' :class:`callbacks.GracefulInterrupt` (now, if it came)."""
+        self._interrupts = interrupts
+        if self.signum is not None:
+            for cb in interrupts:
+                cb.signum = self.signum
+
+
+def _run_sweep(runs: list[SweepRun], stop: _StopRequest) -> int:
+    from callbacks.interrupt import exit_status
     from fedfdp.cli.parser import build_cli
     from fedfdp.fit import report_error
 
@@ -248,7 +309,14 @@ def _run_sweep(runs: list[SweepRun]) -> int:
         for run in built:
             run.status = 2
         return 2
-    return _fit_together(built, batcher, max((r.status or 0) for r in runs))
+    if stop.signum is not None:  # stopped while the runs were built: none starts (nothing was released)
+        logger.warning("sweep stopped by %s before its runs started: none was fitted",
+                       signal.Signals(stop.signum).name)
+        _release_all(built)
+        for run in built:
+            run.status = exit_status(stop.signum)
+        return max((r.status or 0) for r in runs)
+    return _fit_together(built, batcher, max((r.status or 0) for r in runs), stop)
 
 
 def _prepare(built: list[SweepRun]) -> SweepBatcher | None:
@@ -285,29 +353,12 @@ def _release_all(built: list[SweepRun]) -> None:
                 cb.lock.release()
 
 
-def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int) -> int:
-    """Fit every run on its own thread; the main thread forwards stop signals to every run."""
-    from callbacks.interrupt import STOP_SIGNALS, GracefulInterrupt
+def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int, stop: _StopRequest) -> int:
+    """Fit every run on its own thread; ``stop`` passes the stop signals on to every run."""
+    from callbacks.interrupt import GracefulInterrupt
     from fedfdp.fit import fit_run
 
-    interrupts = [cb for run in built for cb in run.cli.trainer.callbacks if isinstance(cb, GracefulInterrupt)]
-    previous: dict[int, Any] = {}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if any(cb.signum is not None for cb in interrupts):  # the second signal: stop at once
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            raise KeyboardInterrupt
-        logger.warning("received %s: every run of the sweep stops after its round in progress (checkpoint, "
-                       "status interrupted); send it again to stop at once", signal.Signals(signum).name)
-        for cb in interrupts:
-            cb.signum = signum
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            if signal.getsignal(sig) != signal.SIG_IGN:
-                previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, on_signal)
+    stop.watch([cb for run in built for cb in run.cli.trainer.callbacks if isinstance(cb, GracefulInterrupt)])
 
     def fit(member: int, run: SweepRun) -> None:
         start = time.perf_counter()
@@ -334,8 +385,6 @@ def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int) -> 
             while thread.is_alive():
                 thread.join(timeout=0.5)  # wakes up for signals
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for handler in handlers:
             logging.getLogger().removeHandler(handler)
             handler.close()

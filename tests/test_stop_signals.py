@@ -189,3 +189,128 @@ def test_a_session_cut_mid_round_keeps_its_releases_charged_and_the_resume_count
     assert f"| releases charged twice (a session cut mid-round, made again on resume) | {len(made_after_checkpoint)} |" \
         in report
     assert "releases charged twice" not in (straight / "report.md").read_text()
+
+
+# ---- the other doors: a sweep, a sweep under the runner, a study ----------------------------------------
+def test_a_request_that_came_before_the_fit_started_is_kept_until_its_teardown():
+    class Module:
+        stop_signal = None
+
+    cb = GracefulInterrupt()
+    cb.signum = signal.SIGTERM  # a sweep passes it on to a run whose thread has not reached on_train_start
+    cb.on_train_start(None, Module())
+    try:
+        assert cb.signum == signal.SIGTERM  # the run stops after its first round, not after its last
+    finally:
+        cb.teardown(None, Module(), "fit")
+    assert cb.signum is None  # the next fit starts with no request
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_sweeps_stop_request_repeats_within_the_window_and_stops_at_once_later():
+    from fedfdp.sweep import _StopRequest
+
+    class Interrupt:
+        signum = None
+
+    before = signal.getsignal(signal.SIGTERM)
+    late = Interrupt()
+    with _StopRequest() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        os.kill(os.getpid(), signal.SIGTERM)  # before any run was built: kept
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: the same request
+        assert stop.signum == signal.SIGTERM
+        stop.watch([late])  # runs built after the request get it
+        assert late.signum == signal.SIGTERM
+        stop._first_at -= REPEAT_WINDOW_S + 0.1
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGTERM, None)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+class _SignalWhileBuilding:
+    """Stands in for ``build_cli``: builds the run, and sends this process SIGTERM after the first."""
+
+    def __init__(self, build) -> None:
+        self.build, self.calls = build, 0
+
+    def __call__(self, *args, **kwargs):
+        cli = self.build(*args, **kwargs)
+        self.calls += 1
+        if self.calls == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return cli
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_sweep_stopped_while_its_runs_are_built_fits_none_and_the_runner_starts_nothing_more(tmp_path, monkeypatch):
+    """The sweep's window before its runs fit (data, checkpoints: seconds) used to lose the signal:
+    no handler of the sweep's yet, so it ran every round of every run (or Python's default killed it)."""
+    import fedfdp.cli.parser as parser
+    from fedfdp.experiments.runner import Runner, RunSpec
+
+    monkeypatch.setattr(parser, "build_cli", _SignalWhileBuilding(parser.build_cli))
+    specs = [RunSpec(run_dir=tmp_path / f"seed{seed}", config=Path(TINY), seed=seed, args=tuple(LONG))
+             for seed in (0, 1)]
+    with pytest.raises(HarnessInterrupted) as info:
+        Runner().run_sweep(specs)
+    assert info.value.signum == signal.SIGTERM
+    for spec in specs:
+        assert not _ledger(spec.run_dir) and not (spec.run_dir / "summary.json").exists()  # nothing released
+    monkeypatch.undo()
+    # the locks were given back and the handlers restored: the same sweep runs (capped short) to its end
+    short = [RunSpec(run_dir=s.run_dir, config=s.config, seed=s.seed, args=("--model.num_rounds", "2")) for s in specs]
+    results = Runner().run_sweep(short)
+    assert [r.returncode for r in results] == [0, 0]
+    assert all(json.loads((s.run_dir / "summary.json").read_text())["rounds_run"] == 2 for s in short)
+
+
+TUNE_LONG = ["--rounds", str(ROUNDS), "--fit-args", "--model.eval_every", "20",
+             "--trainer.callbacks.init_args.target_epsilon", "null"]
+
+
+def _trial_states(study_dir: Path) -> dict[int, str]:
+    import optuna
+
+    study = optuna.load_study(study_name=study_dir.name, storage=f"sqlite:///{study_dir / 'study.db'}")
+    return {t.number: t.state.name for t in study.trials}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [["--jobs", "2"], ["--batch", "2"]], ids=["fits", "sweep"])
+def test_a_study_stopped_by_sigterm_to_it_alone_leaves_its_trials_running_and_resumable(tmp_path, how):
+    """Before: tune held no handler (its fits ran on worker threads), so SIGTERM ended it at once and
+    left its fits running unwatched (and a --batch sweep's stopped trials were recorded as failed)."""
+    study = tmp_path / "study"
+    space = tmp_path / "space.yaml"  # one-step DP-SGD trials: what the sweep engine batches, and valid for all values
+    space.write_text('{"model.algorithm.init_args.lr": {"type": "float", "low": 0.2, "high": 2.0}}')
+    cmd = [sys.executable, "-m", "fedfdp.experiments", "tune", "--config", TINY, "--study-dir", str(study),
+           "--trials", "2", *how, "--space", str(space), *TUNE_LONG]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_default_stop_signals)
+    trials = [study / "trial0", study / "trial1"]
+    deadline = time.monotonic() + 180
+    while (min(len({e["round"] for e in _ledger(t)}) for t in trials) < 3 and proc.poll() is None
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    os.kill(proc.pid, signal.SIGTERM)  # the study alone, not its process group
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert [line for line in stderr.splitlines() if "error:" in line][-1].endswith("run the same command again to "
+                                                                                    "resume"), stderr
+    for trial in trials:
+        summary = json.loads((trial / "summary.json").read_text())
+        stopped = summary["rounds_run"]
+        assert summary["status"] == "interrupted" and 3 <= stopped < ROUNDS, stderr
+        assert {e["round"] for e in _ledger(trial)} == set(range(stopped))  # its round ended: nothing to replay
+    assert _trial_states(study) == {0: "RUNNING", 1: "RUNNING"}  # not recorded as failed
+    assert not (study / "trial2").exists()
+
+    resumed = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _trial_states(study) == {0: "COMPLETE", 1: "COMPLETE"}
+    for trial in trials:
+        summary = json.loads((trial / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["rounds_run"] == ROUNDS
+        assert summary["releases_repeated"] == 0

@@ -21,7 +21,8 @@
 #         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, rcdpfl and kmcdpfl
 #         (the paper's method before the baseline it beats by most), then each client alone without DP.
 # Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's oracle and
-#         each client alone with DP-SGD (local without DP moved to lane 1, which ends sooner).
+#         each client alone with DP-SGD, then each client alone without DP from seed 2 down (lane 1 takes it
+#         from seed 0 up).
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
@@ -74,6 +75,10 @@ lane2() {
       $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
       keep runs/rcdpfl_paper rcdpfl_mnist
     done
+  done
+  for seed in 2 1 0; do  # lane 1's last row from its other end: a run the other lane holds is refused
+    $exp rcdpfl-table --dataset mnist_paper --methods local_nodp --seeds "$seed" --out runs/rcdpfl_paper
+    keep runs/rcdpfl_paper rcdpfl_mnist  # (its run lock), and its finished runs are skipped
   done
 }
 

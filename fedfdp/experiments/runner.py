@@ -266,14 +266,19 @@ class Runner:
         an architecture and an algorithm the sweep can batch (else each fails with the sweep's one
         ``error:`` line, status 2). A run's log records (from its thread) are staged and appended
         to its ``fit.log`` once it has started. ``niceness`` and ``env`` apply to separate
-        processes only: a sweep runs in this one.
+        processes only: a sweep runs in this one. A stop signal ends every run's round (the sweep's
+        own handling), then :class:`~fedfdp.experiments.stop_signals.HarnessInterrupted` is raised
+        after the runs are committed, as :meth:`run` does: no further run or sweep starts.
         """
         from fedfdp.sweep import SweepRun, run_sweep
 
         specs = list(specs)
         results: dict[RunSpec, RunResult] = {}
         staged: list[tuple[RunSpec, SweepRun, Path, Path | None, Any]] = []
-        with tempfile.TemporaryDirectory(prefix="fedfdp-sweep-") as tmp:
+        # the sweep takes the stop signals while it runs (fedfdp.sweep: every run ends its round);
+        # before and after it, stop_signals does, and a stopped sweep stops the harness as a stopped fit does
+        with stop_signals.installed(), tempfile.TemporaryDirectory(prefix="fedfdp-sweep-") as tmp:
+            stop_signals.check()
             for k, spec in enumerate(specs):
                 early = self._refusal(spec)
                 if early is not None:
@@ -290,6 +295,10 @@ class Runner:
                 run_sweep([run for _, run, _, _, _ in staged])
             for spec, run, config, stale, before in staged:
                 results[spec] = self._commit(spec, run, config, stale, snapshot(spec.run_dir) != before)
+            stopped = [r.returncode - 128 for r in results.values() if r.returncode - 128 in stop_signals.FORWARDED]
+            if stopped:  # every run ended its round and checkpointed (or, stopped before it started, did not start)
+                raise stop_signals.HarnessInterrupted(stopped[0])
+            stop_signals.check()
         return [results[spec] for spec in specs]
 
     def _commit(self, spec: RunSpec, run: Any, config: Path, stale: Path | None, started: bool) -> RunResult:

@@ -15,7 +15,9 @@ is passed on to every fit launched through :func:`launch` (a fit that got the sa
 process group sees the copy within :data:`callbacks.interrupt.REPEAT_WINDOW_S` and takes both as one
 request), the harness waits for them, and :func:`check` raises :class:`HarnessInterrupted` before
 any further run starts; ``python -m fedfdp.experiments`` then exits ``128 + signal`` and the same
-command resumes. A second signal, passed on as well, stops the fits at once.
+command resumes. A second signal, passed on as well, stops the fits at once. :func:`run_in_pool`
+is the loop of a harness that asks for each next run as a worker frees (``tune``): a stopped run's
+item is left unrecorded and no further item is asked for.
 
 Written by hand: neither ``subprocess`` nor ``concurrent.futures`` forwards signals to children.
 """
@@ -27,10 +29,11 @@ import logging
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-__all__ = ["HarnessInterrupted", "check", "installed", "launch"]
+__all__ = ["HarnessInterrupted", "check", "installed", "launch", "run_in_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +134,46 @@ def launch(cmd: Sequence[str], **popen: Any) -> int:
         finally:
             with _state.lock:
                 _state.children.discard(proc)
+
+
+def run_in_pool(jobs: int, next_item: Callable[[], Any], run_item: Callable[[Any], Any],
+                 record: Callable[[Any, Any], None]) -> None:
+    """Run the items ``next_item()`` gives (until None), ``jobs`` at a time on worker threads that
+    each launch a fit, and ``record`` each result in the calling thread (in the order given, among
+    those ending together). A study's loop (:mod:`fedfdp.experiments.tune`): it asks for each new
+    item when a slot frees, which :meth:`Runner.run_all`'s fixed list cannot.
+
+    A stop signal (the caller holds :func:`installed`, in the main thread): the running fits end
+    their round and checkpoint, their items are not recorded (a trial stays RUNNING, and the next
+    invocation finishes it from its checkpoint), no further item is asked for, and
+    :class:`HarnessInterrupted` is raised once they have all ended.
+    """
+    stopped: HarnessInterrupted | None = None
+    running: dict[Future[Any], tuple[int, Any]] = {}
+    given = 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        while True:
+            while stopped is None and len(running) < jobs:
+                try:
+                    check()  # stopped: no further item is asked for
+                except HarnessInterrupted as err:
+                    stopped = err
+                    break
+                item = next_item()
+                if item is None:
+                    break
+                running[pool.submit(run_item, item)] = (given, item)
+                given += 1
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: running[f][0]):
+                _, item = running.pop(future)
+                try:
+                    result = future.result()
+                except HarnessInterrupted as err:
+                    stopped = err
+                    continue
+                record(item, result)
+    if stopped is not None:
+        raise stopped

@@ -73,6 +73,13 @@ settings (the config's content, validation fraction, objective, rounds, seeds, s
 resuming it with others is refused. The config's path is not part of it: a study folder copied to
 another checkout (its ``study.db`` is enough) continues there.
 
+**Stopping.** SIGINT or SIGTERM (Ctrl-C, ``kill``, a scheduler; to the tune process alone or to
+its process group) is passed on to the running trials' fits (:mod:`fedfdp.experiments.stop_signals`;
+with ``--batch``, the sweep's own handling): each ends its round and checkpoints, the trials stay
+RUNNING in the study (they are not recorded as failed), no further trial is asked for, and the
+command exits ``128 + signal`` with one ``error:`` line; the same command finishes those trials
+first. No round is cut, so none of a trial's releases is made twice.
+
 **Result.** ``<study-dir>/best.yaml`` is the base config with the best trial's values (and the
 same ``val_fraction``, so the final model trains on the same data it was tuned on; the base
 config's rounds, not the ``--rounds`` cap), ``best.json`` the trial, its value and the command
@@ -87,7 +94,6 @@ import argparse
 import json
 import logging
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +101,7 @@ import yaml
 
 from fedfdp.cli.errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
+from fedfdp.experiments import stop_signals
 from fedfdp.experiments.grid_sampler import grid_sampler, grid_trials_to_ask
 from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
@@ -296,6 +303,9 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
 
     def record(trial: optuna.trial.Trial, result: tuple[float | None, dict[str, Any]]) -> None:
         """Tell the study how a trial ended (in the main thread: the storage is never written concurrently)."""
+        nonlocal finished
+        finished += 1
+        outstanding.discard(trial.number)
         value, notes = result
         number = trial.number
         for key, note in notes.items():
@@ -324,40 +334,33 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
     finished = sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.trials)
     if settings.sampler == "grid":  # the trials that run: the interrupted ones, then one per point left
         n_trials = finished + len(queue) + grid_trials_to_ask(settings.space, study.trials, n_trials)
-    # Each trial is a fedfdp.fit subprocess (run_trial); the pool's threads only wait for them. Not
-    # Runner.run_all: it takes a fixed list, while a study asks each new trial when a slot frees.
-    running: dict[Future[tuple[float | None, dict[str, Any]]], optuna.trial.Trial] = {}
+    outstanding: set[int] = set()  # the trials handed out and not recorded yet
 
     def next_trial() -> tuple[optuna.trial.Trial, dict[str, Any]] | None:
         if queue:
-            return queue.pop(0)
-        if finished + len(running) >= n_trials:
+            item = queue.pop(0)
+        elif finished + len(outstanding) >= n_trials:
             return None
-        trial = study.ask()  # asked in trial order, in this thread (see --jobs)
-        overrides = sample_overrides(trial, settings.space)
-        trial.set_user_attr("overrides", overrides)
-        return trial, overrides
+        else:
+            trial = study.ask()  # asked in trial order, in this thread (see --jobs)
+            overrides = sample_overrides(trial, settings.space)
+            trial.set_user_attr("overrides", overrides)
+            item = (trial, overrides)
+        outstanding.add(item[0].number)
+        return item
 
-    while batch > 1 and (items := _take(next_trial, min(batch, max(n_trials - finished, len(queue))))):
-        # --batch R: R trials (every seed of each) fitted together in this process, one batched pass
-        # per round (fedfdp.sweep); recorded in trial order once all of them have ended
-        results = run_trials_together(settings, [(trial.number, overrides) for trial, overrides in items])
-        for (trial, _), result in zip(items, results):
-            record(trial, result)
-            finished += 1
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        while True:
-            while len(running) < jobs and (item := next_trial()) is not None:
-                trial, overrides = item
-                running[pool.submit(run_trial, settings, trial.number, overrides)] = trial
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in sorted(done, key=lambda f: running[f].number):
-                record(running.pop(future), future.result())
-                finished += 1
-
+    with stop_signals.installed():  # in the main thread: a stop signal reaches the trials' fits (Stopping)
+        while batch > 1 and (items := _take(next_trial, min(batch, max(n_trials - finished, len(queue))))):
+            # --batch R: R trials (every seed of each) fitted together in this process, one batched pass
+            # per round (fedfdp.sweep); recorded in trial order once all of them have ended. Stopped, the
+            # sweep raises HarnessInterrupted and its trials stay RUNNING: the next invocation finishes them.
+            results = run_trials_together(settings, [(trial.number, overrides) for trial, overrides in items])
+            for (trial, _), result in zip(items, results):
+                record(trial, result)
+        # Each trial is a fedfdp.fit subprocess (run_trial); the pool's threads only wait for them. Not
+        # Runner.run_all: it takes a fixed list, while a study asks each new trial when a slot frees.
+        stop_signals.run_in_pool(jobs, next_trial, lambda item: run_trial(settings, item[0].number, item[1]),
+                     lambda item, result: record(item[0], result))
     info = write_best(settings, study)
     if info is None:
         message(f"error: tune: no trial of the study in {settings.study_dir} finished; see the trials' fit.log")
