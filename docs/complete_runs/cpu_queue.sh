@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The seed papers' runs that are still missing (issue 38), on this project's CPU: two lanes in the
-# background, each a queue of harness commands that skip finished runs and resume interrupted ones,
-# so the same command continues the queue in a later session. After each harness its finished runs
-# are copied into docs/complete_runs/ (index.py add) and the index rewritten; committing them is
-# left to the session (git add docs/complete_runs).
+# The seed papers' runs that are still missing (issue 38), on this project's CPU: one queue of
+# harness commands that skip finished runs and resume interrupted ones, worked by lanes in the
+# background, so the same command continues the queue in a later session. Each lane takes the next
+# job no lane has taken this session (a claim is an atomic mkdir), so the lanes balance themselves:
+# a lane whose job ended early takes the next one. After each job its finished runs are copied into
+# docs/complete_runs/ (index.py add) and the index rewritten; committing them is left to the
+# session (git add docs/complete_runs).
 #
-#   bash docs/complete_runs/cpu_queue.sh            # both lanes, detached; logs in runs/cpu_queue/
-#   LANES=1 bash docs/complete_runs/cpu_queue.sh    # only lane 1 (e.g. while the cores are needed)
+#   bash docs/complete_runs/cpu_queue.sh            # two lanes, detached; logs in runs/cpu_queue/
+#   LANES=1 bash docs/complete_runs/cpu_queue.sh    # one lane (e.g. while the cores are needed)
+#   bash docs/complete_runs/cpu_queue.sh list       # the jobs, in order
 #   bash docs/complete_runs/cpu_queue.sh stop       # stop every lane after its round, then park
 #
 # A checkout does not keep runs/: before a session ends, `bash docs/complete_runs/cpu_queue.sh stop`
@@ -17,70 +20,67 @@
 # checkpoints to docs/complete_runs/in_progress/, and this script's restore writes them back, so the
 # next session resumes them where they stopped.
 #
-# Lane 1: each client alone, with DP-SGD (Tables VI's 4 eps, V's Dir(0.5)/Dir(1.0), IV's MNIST) then
-#         without DP (IV's MNIST, V's Dir(0.5)/Dir(1.0)); then RC-DPFL's dpfedavg, ifca, rcdpfl and kmcdpfl
-#         (the paper's method before the baseline it beats by most), then each client alone without DP.
-# Lane 2: FinP's CNN with Adam, DP rows, each client alone (with and without DP-SGD), then main rows; then RC-DPFL's oracle and
-#         each client alone with DP-SGD, then each client alone without DP from seed 2 down (lane 1 takes it
-#         from seed 0 up).
+# The jobs (queue below): each client alone in FedFDP's Tables VI, V and IV (MNIST), with DP-SGD and
+# without; FinP's CNN with Adam (DP rows, each client alone, main rows); RC-DPFL at the paper's
+# setting, one seed a job (DPFedAvg, IFCA, RC-DPFL, the oracle, KM-CDPFL, each client alone with
+# DP-SGD, then without DP).
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
-# 63, the oracle 59, each client alone with DP-SGD about 55). FinP's table is complete, and RC-DPFL's
+# 63, the oracle 59, each client alone with DP-SGD about 62). FinP's table is complete, and RC-DPFL's
 # DPFedAvg, IFCA, RC-DPFL and oracle rows. About 5 to 6 lane-hours were left at the end of 2026-11-29's
 # fifth session (KM-CDPFL seeds 1-2 and each client alone without DP on lane 1, each client alone
 # with DP-SGD seeds 1-2 on lane 2, plus what `stop` parked); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
-LOG=runs/cpu_queue
+LOG=${CPU_QUEUE_LOG:-runs/cpu_queue}  # (CPU_QUEUE_LOG, CPU_QUEUE_EXP, CPU_QUEUE_KEEP: the script's test)
 mkdir -p "$LOG"
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled
-exp="nice -n 15 python -m fedfdp.experiments"
-keep() { python docs/complete_runs/index.py add --src "$1" --dest "docs/complete_runs/$2" | tail -n 2
+exp=${CPU_QUEUE_EXP:-"nice -n 15 python -m fedfdp.experiments"}
+keep() { [ "${CPU_QUEUE_KEEP:-1}" = 1 ] || return 0
+         python docs/complete_runs/index.py add --src "$1" --dest "docs/complete_runs/$2" | tail -n 2
          python docs/complete_runs/index.py write; }
 
-lane1() {
-  $exp paper-table6 --dataset fmnist --seeds 0 1 2 --methods local_dp --jobs 1 --out runs/paper
-  keep runs/paper/table6 table6_fmnist
-  $exp paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp --columns "Dir(0.5)" "Dir(1.0)" --jobs 1 \
-    --out runs/paper
-  $exp paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp local --jobs 1 --out runs/paper
-  $exp paper-table5 --dataset fmnist --seeds 0 1 2 --methods local --columns "Dir(0.5)" "Dir(1.0)" --jobs 1 \
-    --out runs/paper
-  keep runs/paper/table5 table5_fmnist
-  keep runs/paper/table4/mnist table4_mnist  # the MNIST column only: <method>/seed<k>, named local_dp and local
-  for method in dpfedavg ifca rcdpfl kmcdpfl local_nodp; do
-    for seed in 0 1 2; do  # one seed a command: each run is copied to docs/complete_runs as it lands
-      $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
-      keep runs/rcdpfl_paper rcdpfl_mnist
+# One job a line: "<harness arguments> | <finished runs to keep: source, destination under docs/complete_runs>"
+queue() {
+  echo "paper-table6 --dataset fmnist --seeds 0 1 2 --methods local_dp --jobs 1 --out runs/paper | runs/paper/table6 table6_fmnist"
+  echo "paper-table5 --dataset fmnist --seeds 0 1 2 --methods local_dp --columns 'Dir(0.5)' 'Dir(1.0)' --jobs 1 --out runs/paper | runs/paper/table5 table5_fmnist"
+  # the MNIST column only: <method>/seed<k>, named local_dp and local
+  echo "paper-table4 --dataset mnist --seeds 0 1 2 --methods local_dp local --jobs 1 --out runs/paper | runs/paper/table4/mnist table4_mnist"
+  echo "paper-table5 --dataset fmnist --seeds 0 1 2 --methods local --columns 'Dir(0.5)' 'Dir(1.0)' --jobs 1 --out runs/paper | runs/paper/table5 table5_fmnist"
+  echo "finp-table --dataset fmnist_cnn --rows dp --seeds 0 1 2 --out runs/finp_cnn | runs/finp_cnn finp_fmnist"
+  echo "finp-table --dataset fmnist_cnn --rows alone --seeds 0 1 2 --out runs/finp_cnn | runs/finp_cnn finp_fmnist"
+  for row in baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala; do  # FinP's main rows
+    for seed in 0 1 2; do
+      echo "finp-table --dataset fmnist_cnn --rows $row --seeds $seed --out runs/finp_cnn | runs/finp_cnn finp_fmnist"
+    done
+  done
+  for method in dpfedavg ifca rcdpfl oracle kmcdpfl local local_nodp; do
+    for seed in 0 1 2; do  # one seed a job: each run is copied to docs/complete_runs as it lands
+      echo "rcdpfl-table --dataset mnist_paper --methods $method --seeds $seed --out runs/rcdpfl_paper | runs/rcdpfl_paper rcdpfl_mnist"
     done
   done
 }
 
-lane2() {
-  $exp finp-table --dataset fmnist_cnn --rows dp --seeds 0 1 2 --out runs/finp_cnn
-  keep runs/finp_cnn finp_fmnist
-  $exp finp-table --dataset fmnist_cnn --rows alone --seeds 0 1 2 --out runs/finp_cnn
-  keep runs/finp_cnn finp_fmnist
-  for row in baseline finp_client finp_server_pca finp_pca finp_server_ala finp_ala; do  # the main rows
-    for seed in 0 1 2; do
-      $exp finp-table --dataset fmnist_cnn --rows "$row" --seeds "$seed" --out runs/finp_cnn
-      keep runs/finp_cnn finp_fmnist
-    done
-  done
-  for method in oracle local; do
-    for seed in 0 1 2; do
-      $exp rcdpfl-table --dataset mnist_paper --methods "$method" --seeds "$seed" --out runs/rcdpfl_paper
-      keep runs/rcdpfl_paper rcdpfl_mnist
-    done
-  done
-  for seed in 2 1 0; do  # lane 1's last row from its other end: a run the other lane holds is refused
-    $exp rcdpfl-table --dataset mnist_paper --methods local_nodp --seeds "$seed" --out runs/rcdpfl_paper
-    keep runs/rcdpfl_paper rcdpfl_mnist  # (its run lock), and its finished runs are skipped
-  done
+# A lane: take the first job no lane has claimed, run it, keep its runs; until the queue is done.
+lane() {
+  local n=0 line
+  while IFS= read -r line; do
+    n=$((n + 1))
+    mkdir "$LOG/claims/$n" 2> /dev/null || continue  # atomic: another lane has it
+    echo "$(date -u +%FT%TZ) lane $1: job $n: ${line%%|*}"
+    eval "$exp ${line%%|*}" || echo "$(date -u +%FT%TZ) lane $1: job $n ended with status $?"
+    eval "keep ${line#*|}"
+  done < <(queue)
+  echo "$(date -u +%FT%TZ) lane $1: the queue is done"
 }
+
+if [ "${1:-}" = list ]; then
+  queue | nl -w3 -s'  '
+  exit 0
+fi
 
 if [ "${1:-}" = stop ]; then
   groups=()
@@ -107,10 +107,22 @@ fi
 
 # runs/ is not committed: a fresh checkout gets the committed finished runs back first, so the
 # harnesses skip them (index.py restore keeps every run directory that exists)
-python docs/complete_runs/index.py restore | grep -c '^restored' | sed 's/^/restored committed runs: /' || true
+for pidfile in "$LOG"/lane*.pid; do  # one set of lanes at a time: the claims are theirs
+  if [ -e "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2> /dev/null; then
+    echo "error: a lane is running already (pid $(cat "$pidfile"), $pidfile): stop the lanes first with" \
+         "bash $0 stop" >&2
+    exit 1
+  fi
+done
+rm -rf "$LOG/claims" && mkdir -p "$LOG/claims"
+[ "${CPU_QUEUE_KEEP:-1}" = 1 ] && { python docs/complete_runs/index.py restore | grep -c '^restored' \
+  | sed 's/^/restored committed runs: /' || true; }
+export LOG exp  # the lanes' shells read them
 for lane in $LANES; do
   # the lane's shell writes its own pid: it leads the lane's process group (setsid), which `stop` signals
-  setsid nohup bash -c "echo \$\$ > '$LOG/lane$lane.pid'; $(declare -f keep "lane$lane"); exp='$exp'; lane$lane" \
+  rm -f "$LOG/lane$lane.pid"
+  setsid nohup bash -c "echo \$\$ > '$LOG/lane$lane.pid'; $(declare -f keep queue lane); lane $lane" \
     > "$LOG/lane$lane.log" 2>&1 < /dev/null &
-  echo "lane $lane: pid $!, log $LOG/lane$lane.log"
+  for _ in $(seq 100); do [ -s "$LOG/lane$lane.pid" ] && break; sleep 0.1; done  # `stop` right after finds it
+  echo "lane $lane: pid $(cat "$LOG/lane$lane.pid" 2> /dev/null || echo "$!"), log $LOG/lane$lane.log"
 done
