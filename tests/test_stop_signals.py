@@ -314,3 +314,29 @@ def test_a_study_stopped_by_sigterm_to_it_alone_leaves_its_trials_running_and_re
         summary = json.loads((trial / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["rounds_run"] == ROUNDS
         assert summary["releases_repeated"] == 0
+
+
+@pytest.mark.slow
+def test_a_trial_whose_fit_alone_is_stopped_stays_running_and_no_further_trial_starts(tmp_path):
+    """A signal sent to a fit alone (a user's kill, a scheduler) stops it at a round boundary: resumable,
+    so the harness stops as if it had got the signal (before: the trial was recorded as failed, for good)."""
+    study = tmp_path / "study"
+    space = tmp_path / "space.yaml"
+    space.write_text('{"model.algorithm.init_args.lr": {"type": "float", "low": 0.2, "high": 2.0}}')
+    cmd = [sys.executable, "-m", "fedfdp.experiments", "tune", "--config", TINY, "--study-dir", str(study),
+           "--trials", "2", "--space", str(space), *TUNE_LONG]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_default_stop_signals)
+    trial = study / "trial0"
+    deadline = time.monotonic() + 180
+    while len({e["round"] for e in _ledger(trial)}) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    os.kill(json.loads((trial / "run.lock").read_text())["pid"], signal.SIGTERM)  # the fit alone
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "sent to the fit, not to this harness" in stderr
+    summary = json.loads((trial / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert {e["round"] for e in _ledger(trial)} == set(range(summary["rounds_run"]))
+    assert _trial_states(study) == {0: "RUNNING"} and not (study / "trial1").exists()

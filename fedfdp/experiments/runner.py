@@ -27,7 +27,8 @@ twice and ended at 177 of 183 rounds). A checkpoint a round costs nothing measur
 models (docs/privacy.md, ``benchmarks/checkpoint.py``). A stop signal does not cut a round at all:
 the runner passes SIGINT/SIGTERM on to the running fit, which ends its round and checkpoints, then
 starts no further run and raises :class:`~fedfdp.experiments.stop_signals.HarnessInterrupted`
-(:mod:`fedfdp.experiments.stop_signals`).
+(:mod:`fedfdp.experiments.stop_signals`); so does a fit stopped that way by a signal sent to it
+alone (it is resumable, not failed).
 
 Like ``fedfdp.fit``, the runner changes no file of the run directory before the fit has accepted
 the start (:mod:`fedfdp.experiments.staging`): a config the spec makes (:attr:`RunSpec.make_config`)
@@ -45,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -222,6 +224,11 @@ class Runner:
             with tempfile.TemporaryDirectory(prefix="fedfdp-launch-") as tmp:
                 result = self._launch(spec, Path(tmp), stale)
             stop_signals.check()  # the fit ended its round and checkpointed on the signal: stop here
+            signum = stop_signals.stopped_fit(result.returncode, result.summary)
+            if signum is not None:  # the signal went to the fit alone: resumable, not failed
+                logger.warning("%s was stopped by %s after its round (sent to the fit, not to this harness)",
+                               spec.run_dir, signal.Signals(signum).name)
+                raise stop_signals.HarnessInterrupted(signum)
             return result
 
     def _launch(self, spec: RunSpec, tmp: Path, stale: Path | None) -> RunResult:

@@ -29,11 +29,11 @@ import logging
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-__all__ = ["HarnessInterrupted", "check", "installed", "launch", "run_in_pool"]
+__all__ = ["HarnessInterrupted", "check", "installed", "launch", "run_in_pool", "stopped_fit"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,19 @@ def check() -> None:
     signum = _state.signum
     if signum is not None:
         raise HarnessInterrupted(signum)
+
+
+def stopped_fit(returncode: int, summary: Mapping[str, Any] | None) -> int | None:
+    """The signal that stopped a fit at a round boundary (exit ``128 + SIGINT/SIGTERM`` and
+    ``summary.json`` status ``interrupted``: :class:`callbacks.GracefulInterrupt`), else None.
+
+    Such a fit is resumable, not failed, also when the signal was sent to it alone (a user's
+    ``kill``, a scheduler): a harness stops as if it had got the signal itself, so the run (and a
+    study's trial) is continued by the same command rather than recorded as failed."""
+    signum = returncode - 128
+    if signum in FORWARDED and (summary or {}).get("status") == "interrupted":
+        return signum
+    return None
 
 
 def launch(cmd: Sequence[str], **popen: Any) -> int:

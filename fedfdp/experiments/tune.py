@@ -78,7 +78,8 @@ its process group) is passed on to the running trials' fits (:mod:`fedfdp.experi
 with ``--batch``, the sweep's own handling): each ends its round and checkpoints, the trials stay
 RUNNING in the study (they are not recorded as failed), no further trial is asked for, and the
 command exits ``128 + signal`` with one ``error:`` line; the same command finishes those trials
-first. No round is cut, so none of a trial's releases is made twice.
+first. No round is cut, so none of a trial's releases is made twice. A signal sent to one trial's
+fit alone stops the study the same way (the fit is resumable, not failed).
 
 **Result.** ``<study-dir>/best.yaml`` is the base config with the best trial's values (and the
 same ``val_fraction``, so the final model trains on the same data it was tuned on; the base
