@@ -361,7 +361,7 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
         # Each trial is a fedfdp.fit subprocess (run_trial); the pool's threads only wait for them. Not
         # Runner.run_all: it takes a fixed list, while a study asks each new trial when a slot frees.
         stop_signals.run_in_pool(jobs, next_trial, lambda item: run_trial(settings, item[0].number, item[1]),
-                     lambda item, result: record(item[0], result))
+                                 lambda item, result: record(item[0], result))
     info = write_best(settings, study)
     if info is None:
         message(f"error: tune: no trial of the study in {settings.study_dir} finished; see the trials' fit.log")
