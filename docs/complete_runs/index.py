@@ -44,6 +44,7 @@ import argparse
 import csv
 import gzip
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -249,10 +250,13 @@ def write(path: Path = INDEX) -> int:
     """Write the index of every committed run under this folder; the number of rows."""
     runs = sorted(p.parent for p in HERE.glob("*/*/seed*/summary.json") if ".stale-" not in p.parent.name)
     rows = [row(run) for run in runs]
-    with path.open("w", newline="") as fh:
+    # written aside and renamed: two queue lanes may write the index at the same moment
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    with staged.open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
+    os.replace(staged, path)
     return len(rows)
 
 
