@@ -28,10 +28,10 @@
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
-# 63, the oracle 59, each client alone with DP-SGD about 62). FinP's table is complete, and RC-DPFL's
-# DPFedAvg, IFCA, RC-DPFL and oracle rows. About 5 to 6 lane-hours were left at the end of 2026-11-29's
-# fifth session (KM-CDPFL seeds 1-2 and each client alone without DP on lane 1, each client alone
-# with DP-SGD seeds 1-2 on lane 2, plus what `stop` parked); on a lent GPU: gpu_session.sh.
+# 63, the oracle 59, KM-CDPFL 55 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
+# at 11 s a round). FinP's table is complete, and RC-DPFL's rows but one. About 1.5 lane-hours were
+# left at the end of 2026-11-29's sixth session: each client alone without DP (seed 0 parked at round
+# 105, seed 2 at round 8, seed 1 not started); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
