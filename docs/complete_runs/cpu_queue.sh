@@ -28,7 +28,7 @@
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
-# 63, the oracle 59, KM-CDPFL 55 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
+# 63, the oracle 59, KM-CDPFL 54 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
 # at 11 s a round). FinP's table is complete, and RC-DPFL's rows but one. About 1.5 lane-hours were
 # left at the end of 2026-11-29's sixth session: each client alone without DP (seed 0 parked at round
 # 105, seed 2 at round 8, seed 1 not started); on a lent GPU: gpu_session.sh.
