@@ -40,6 +40,11 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 REPEAT_WINDOW_S = 2.0
 
 
+def repeats(first_at: float) -> bool:
+    """Whether a stop signal now repeats the request first made at ``first_at`` (``time.monotonic()``)."""
+    return time.monotonic() - first_at < REPEAT_WINDOW_S
+
+
 def exit_status(signum: int) -> int:
     """The shell's exit status of a process stopped by ``signum`` (130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
     return 128 + int(signum)
@@ -61,7 +66,7 @@ class GracefulInterrupt(Callback):
     # ---- handlers -------------------------------------------------------------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the second signal: stop now, unless it repeats the first request
-            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+            if repeats(self._first_at):
                 logger.info("received %s again within %.0f s: the same stop request (still stopping after the round)",
                             signal.Signals(signum).name, REPEAT_WINDOW_S)
                 return
@@ -126,3 +131,56 @@ class GracefulInterrupt(Callback):
             return None
         cb = checkpoints[0]
         return Path(str(cb.dirpath)) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+
+
+class SweepStopRequest:
+    """A sweep's (:mod:`fedfdp.sweep`) SIGINT/SIGTERM/SIGHUP, from before its runs are built until
+    they have all ended: :class:`GracefulInterrupt`'s request for many runs in one process.
+
+    The first makes every run stop after its round in progress (checkpoint, status interrupted; a
+    run not fitting yet does not start); a repeat within :data:`REPEAT_WINDOW_S` is the same request (a process group's signal and a harness's copy), a later one stops the
+    process at once (``KeyboardInterrupt``). Installed from the main thread only (a sweep run in a
+    worker thread leaves the signals to that process's main thread).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._first_at = 0.0
+        self._interrupts: list[Any] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SweepStopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) != signal.SIG_IGN:  # an inherited ignore (nohup's SIGHUP) stays
+                    self._previous[sig] = signal.getsignal(sig)
+                    signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            if repeats(self._first_at):
+                return  # the same request
+            self._restore()
+            raise KeyboardInterrupt
+        self.signum, self._first_at = signum, time.monotonic()
+        logger.warning("received %s: every run of the sweep stops after its round in progress (checkpoint, "
+                       "status interrupted); send it again (after %.0f s) to stop at once",
+                       signal.Signals(signum).name, REPEAT_WINDOW_S)
+        for cb in self._interrupts:
+            cb.signum = signum
+
+    def watch(self, interrupts: list[Any]) -> None:
+        """Pass the request on to these runs' :class:`callbacks.GracefulInterrupt` (now, if it came)."""
+        self._interrupts = interrupts
+        if self.signum is not None:
+            for cb in interrupts:
+                cb.signum = self.signum

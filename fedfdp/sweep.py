@@ -44,6 +44,7 @@ from fedfdp.stacked import StackedRound, unstackable_reason
 from fedfdp.types import ClientUpdate, LocalBatch, RoundContext, StackedStepSpec
 
 if TYPE_CHECKING:
+    from callbacks.interrupt import SweepStopRequest
     from fedfdp.cli.parser import FedFDPCLI
     from fedfdp.federation import Federation
 
@@ -228,68 +229,13 @@ def run_sweep(runs: list[SweepRun], *, log_dir: Path | None = None) -> int:
 
     # the stop signals are the sweep's from its first line: one arriving while the runs are built
     # (seconds: data, checkpoints) stops them too, where it used to reach no run (or a handler above)
-    with shared_setups(), _StopRequest() as stop:  # one copy of the data for all runs that read it
+    from callbacks.interrupt import SweepStopRequest
+
+    with shared_setups(), SweepStopRequest() as stop:  # one copy of the data for all runs that read it
         return _run_sweep(runs, stop)
 
 
-class _StopRequest:
-    """A sweep's SIGINT/SIGTERM/SIGHUP, from before its runs are built until they have all ended.
-
-    The first makes every run stop after its round in progress (checkpoint, status interrupted; a
-    run not fitting yet does not start); a repeat within :data:`callbacks.interrupt.REPEAT_WINDOW_S`
-    is the same request (a process group's signal and a harness's copy), a later one stops the
-    process at once (``KeyboardInterrupt``). Installed from the main thread only (a sweep run in a
-    worker thread leaves the signals to that process's main thread).
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._first_at = 0.0
-        self._interrupts: list[Any] = []
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopRequest:
-        from callbacks.interrupt import STOP_SIGNALS
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                if signal.getsignal(sig) != signal.SIG_IGN:  # an inherited ignore (nohup's SIGHUP) stays
-                    self._previous[sig] = signal.getsignal(sig)
-                    signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        from callbacks.interrupt import REPEAT_WINDOW_S
-
-        if self.signum is not None:
-            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
-                return  # the same request
-            self._restore()
-            raise KeyboardInterrupt
-        self.signum, self._first_at = signum, time.monotonic()
-        logger.warning("received %s: every run of the sweep stops after its round in progress (checkpoint, "
-                       "status interrupted); send it again (after %.0f s) to stop at once",
-                       signal.Signals(signum).name, REPEAT_WINDOW_S)
-        for cb in self._interrupts:
-            cb.signum = signum
-
-    def watch(self, interrupts: list[Any]) -> None:
-        """Pass the request on to these runs' :class:`callbacks.GracefulInterrupt` (now, if it came)."""
-        self._interrupts = interrupts
-        if self.signum is not None:
-            for cb in interrupts:
-                cb.signum = self.signum
-
-
-def _run_sweep(runs: list[SweepRun], stop: _StopRequest) -> int:
+def _run_sweep(runs: list[SweepRun], stop: SweepStopRequest) -> int:
     from callbacks.interrupt import exit_status
     from fedfdp.cli.parser import build_cli
     from fedfdp.fit import report_error
@@ -353,7 +299,7 @@ def _release_all(built: list[SweepRun]) -> None:
                 cb.lock.release()
 
 
-def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int, stop: _StopRequest) -> int:
+def _fit_together(built: list[SweepRun], batcher: SweepBatcher, status: int, stop: SweepStopRequest) -> int:
     """Fit every run on its own thread; ``stop`` passes the stop signals on to every run."""
     from callbacks.interrupt import GracefulInterrupt
     from fedfdp.fit import fit_run

@@ -208,7 +208,7 @@ def test_a_request_that_came_before_the_fit_started_is_kept_until_its_teardown()
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
 def test_a_sweeps_stop_request_repeats_within_the_window_and_stops_at_once_later():
-    from fedfdp.sweep import _StopRequest
+    from callbacks.interrupt import SweepStopRequest as _StopRequest
 
     class Interrupt:
         signum = None
