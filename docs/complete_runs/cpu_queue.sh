@@ -23,15 +23,15 @@
 # The jobs (queue below): each client alone in FedFDP's Tables VI, V and IV (MNIST), with DP-SGD and
 # without; FinP's CNN with Adam (DP rows, each client alone, main rows); RC-DPFL at the paper's
 # setting, one seed a job (DPFedAvg, IFCA, RC-DPFL, the oracle, KM-CDPFL, each client alone with
-# DP-SGD, then without DP).
+# DP-SGD, then without DP), on MNIST, then on FashionMNIST (seed 0's seven rows first).
 # Measured on the 2 cores, two lanes side by side: a local DP-SGD run 1 to 25 min (eps 1 to 3.52), a
 # no-DP local run about an hour, a FinP DP run about 25 min, a FinP main run 25 (FedAvg) to 55 (FinP
 # with its client penalty; FinP_server (PCA) 24 to 38, FinP_server (ALA) 38), an RC-DPFL run at the
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
 # 63, the oracle 59, KM-CDPFL 54 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
-# at 11 s a round). FinP's table is complete, and RC-DPFL's rows but one. About 1.5 lane-hours were
-# left at the end of 2026-11-29's sixth session: each client alone without DP (seed 0 parked at round
-# 105, seed 2 at round 8, seed 1 not started); on a lent GPU: gpu_session.sh.
+# at 11 s a round). FinP's table is complete, and RC-DPFL's MNIST table (2026-11-29's seventh
+# session). Left: RC-DPFL on FashionMNIST at the paper's setting, 21 runs, about 20 lane-hours
+# (10 hours of two lanes); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
@@ -60,6 +60,11 @@ queue() {
   for method in dpfedavg ifca rcdpfl oracle kmcdpfl local local_nodp; do
     for seed in 0 1 2; do  # one seed a job: each run is copied to docs/complete_runs as it lands
       echo "rcdpfl-table --dataset mnist_paper --methods $method --seeds $seed --out runs/rcdpfl_paper | runs/rcdpfl_paper rcdpfl_mnist"
+    done
+  done
+  for seed in 0 1 2; do  # FashionMNIST at the paper's setting: a seed's whole table before the next seed
+    for method in rcdpfl dpfedavg local oracle ifca kmcdpfl local_nodp; do
+      echo "rcdpfl-table --dataset fmnist_paper --methods $method --seeds $seed --out runs/rcdpfl_paper_fmnist | runs/rcdpfl_paper_fmnist rcdpfl_fmnist"
     done
   done
 }
