@@ -10,7 +10,8 @@ from callbacks.base import find_accountant
 from callbacks import FederationCallback, LossReporting, NoisyLossReporting, RDPAccounting
 from fedfdp import DPFedAvg, FedAvg, FedFair, FedFDP, Federation
 from fedfdp.errors import ConfigError
-from fedfdp.privacy.accounting import DPEvent, epsilon_of, max_rounds
+from fedfdp.privacy.accounting import DPEvent, epsilon_of
+from fedfdp.privacy.planning import max_rounds
 from tests.helpers import flat, run_federation, tiny_client, tiny_data
 
 DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)

@@ -7,9 +7,9 @@ implemented by :class:`fedfdp.privacy.run_accountant.RunAccountant` over the led
 """
 
 from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
-from fedfdp.privacy.accounting import (OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of,
-                                       max_rounds)
+from fedfdp.privacy.accounting import OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of
 from fedfdp.privacy.clipping import FairClip, FlatClip, fair_clip_factors, fairness_coefficients, flat_clip_factors
+from fedfdp.privacy.planning import max_rounds
 
 __all__ = ["DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyAccountant", "PrivacyLedger",
            "epsilon_of", "fair_clip_factors", "fairness_coefficients", "find_accountant", "flat_clip_factors",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,15 +28,14 @@ from typing import Any, Literal
 
 import numpy as np
 from opacus.accountants import PRVAccountant, RDPAccountant
-
-logger = logging.getLogger(__name__)
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from fedfdp.errors import ConfigError, PrivacyError
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["ACCOUNTANTS", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "DPEvent", "PrivacyLedger", "epsilon_of",
-           "prv_epsilon",
-           "max_rounds", "merged_rdp", "rdp_of", "uncovered_steps"]
+           "merged_rdp", "prv_epsilon", "rdp_of", "uncovered_steps"]
 
 #: RDP orders of the authors' code (``list(range(2, 64)) + [128, 256, 512]``, spec §3.4).
 PAPER_ORDERS: tuple[float, ...] = tuple(float(a) for a in (*range(2, 64), 128, 256, 512))
@@ -50,10 +48,6 @@ Accountant = Literal["rdp", "prv"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")
 #: ε accuracy of the PRV accountant; its reported ε is the upper end of its error bracket.
 PRV_EPS_ERROR = 0.01
-
-#: Start of the authors' bisection bracket over steps, and its ε tolerance (``get_max_steps``).
-_CODE_STEPS_HIGH = 100_000
-_CODE_EPS_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,99 +326,3 @@ def uncovered_steps(recorded: Iterable[DPEvent], history: Iterable[DPEvent]) -> 
     """
     have = _steps_by_mechanism(history)
     return sum(max(0, n - have[key]) for key, n in _steps_by_mechanism(recorded).items())
-
-
-def max_rounds(per_round: Sequence[DPEvent], *, target_epsilon: float, delta: float,
-               orders: Sequence[float] = PAPER_ORDERS,
-               rule: Literal["strict", "paper_code"] = "strict", spent: Sequence[DPEvent] = (),
-               accountant: Accountant = "rdp", cap: int | None = None) -> int:
-    """Rounds T affordable at ``(target_epsilon, delta)`` when every round spends ``per_round``.
-
-    With ``cap``, the search stops once more than ``cap`` rounds are known to fit and returns
-    ``cap + 1`` (a run may not plan that many: :data:`fedfdp.plan.MAX_ROUNDS`).
-
-    ε(T) = conversion(R_spent + T · R_round) is strictly increasing in T (RDP is linear in T,
-    Theorem 2); ``spent`` are the events already charged (a resumed run), R_spent their RDP.
-    0 when even T = 0 exceeds the target. ``accountant="prv"`` bisects on the PRV accountant's
-    ε instead (strict rule only).
-
-    * ``"strict"``: the largest integer T ≥ 0 with ε(T) ≤ target (exponential + integer
-      bisection; exactly consistent with :func:`epsilon_of` of the T-fold events).
-    * ``"paper_code"``: the authors' ``get_max_steps`` (one1Mouth/FedFDP,
-      ``system/flcore/optimizers/utils/RDP/get_max_steps.py``, called from
-      ``Server._reset_global_rounds_by_epsilon``): a bisection over *real-valued* T on
-      [0, 100000] keeping the upper end while ε(hi) − target > 0.01 (mid = (lo+hi)/2;
-      ε(mid) > target → hi = mid, else lo = mid), then ``max(1, int(hi))``. It can overshoot
-      the target by up to 0.01 (3.52 → 778 rounds at ε = 3.523; strict gives 776). Their code
-      raised if ε(100000) < target; here the bracket is doubled instead. The code used the
-      model step only (``per_round=[model_step]``) and then runs ``range(T + 1)`` rounds; it
-      bisected over DP-SGD steps and divided by ``local_iterations``, which is the same as
-      bisecting over rounds here when a round is one step.
-
-    Raises:
-        ConfigError: bad target/delta/rule, or a round that spends nothing.
-    """
-    if rule not in ("strict", "paper_code"):
-        raise ConfigError(f"max_rounds rule must be one of strict, paper_code; got {rule!r}")
-    _check_accountant(accountant)
-    if accountant == "prv" and rule != "strict":
-        raise ConfigError("rounds_rule paper_code is the authors' RDP bisection; use rounds_rule strict with "
-                          "accountant prv")
-    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ConfigError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
-    _check_delta(delta)
-    orders_t = _check_orders(orders)
-    per_round = list(per_round)
-    if not all(isinstance(e, DPEvent) for e in per_round):
-        raise ConfigError(f"max_rounds per_round must be a list of DPEvent, got {per_round!r}")
-    if not any(e.steps for e in per_round):
-        raise ConfigError("max_rounds per_round must contain at least one event with steps >= 1")
-    unit = rdp_of(per_round, orders_t)
-    already = merged_rdp(spent, orders_t)  # the arithmetic of PrivacyLedger.projected_epsilon
-
-    def eps(t: float) -> float:  # strict: the same arithmetic as epsilon_of(repeated events)
-        if accountant == "prv":
-            return prv_epsilon([*spent, *(e.repeated(int(t)) for e in per_round)], delta)
-        if rule == "strict":
-            rdp = already + rdp_of((e.repeated(int(t)) for e in per_round), orders_t)
-        else:
-            rdp = already + unit * t
-        with warnings.catch_warnings():  # "optimal order is the largest alpha" while searching
-            warnings.simplefilter("ignore")
-            return _epsilon_from_rdp(rdp, orders_t, delta)
-
-    if eps(0) > target_epsilon:
-        return 0
-    if rule == "paper_code":
-        lo, hi = 0.0, float(_CODE_STEPS_HIGH)
-        eps_hi = eps(hi)
-        while eps_hi < target_epsilon:
-            if cap is not None and hi > cap:
-                return cap + 1
-            if hi > 2**53:
-                raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
-            lo, hi = hi, 2 * hi
-            eps_hi = eps(hi)
-        while eps_hi - target_epsilon > _CODE_EPS_TOLERANCE:
-            mid = (lo + hi) / 2
-            e = eps(mid)
-            if e > target_epsilon:
-                hi, eps_hi = mid, e
-            else:
-                lo = mid
-        return max(1, int(hi))
-
-    lo_i, hi_i = 0, 1  # invariant: eps(lo_i) <= target < eps(hi_i)
-    while eps(hi_i) <= target_epsilon:
-        if cap is not None and hi_i > cap:
-            return cap + 1
-        if hi_i > 2**53:
-            raise ConfigError("max_rounds: per-round RDP is ~0, the rounds are unbounded")
-        lo_i, hi_i = hi_i, 2 * hi_i
-    while hi_i - lo_i > 1:
-        mid_i = (lo_i + hi_i) // 2
-        if eps(mid_i) <= target_epsilon:
-            lo_i = mid_i
-        else:
-            hi_i = mid_i
-    return lo_i

@@ -20,9 +20,9 @@ from fedfdp.privacy.accounting import (
     DPEvent,
     PrivacyLedger,
     epsilon_of,
-    max_rounds,
     rdp_of,
 )
+from fedfdp.privacy.planning import max_rounds
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the:UserWarning")
 
