@@ -2,8 +2,9 @@
 
 A client that takes part in each round spends its planned per-round events every round on top of
 what its ledger already holds; :func:`max_rounds` finds the rounds that keep its ε within the
-target (by the accountant's own arithmetic, :mod:`fedfdp.privacy.accounting`). The run can afford the fewest over its clients (any client may be
-sampled in every round). Clients with equal plans and equal histories share one search.
+target (by the accountant's own arithmetic, :mod:`fedfdp.privacy.accounting`). The run can afford
+the fewest over its clients (any client may be sampled in every round). Clients with equal plans
+and equal histories share one search.
 """
 
 from __future__ import annotations
