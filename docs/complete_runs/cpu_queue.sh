@@ -30,8 +30,9 @@
 # paper's setting 53 to 120 min (17 to 36 s a round, by the other lane's load; IFCA 53 to 78, RC-DPFL
 # 63, the oracle 59, KM-CDPFL 54 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
 # at 11 s a round). FinP's table is complete, and RC-DPFL's MNIST table (2026-11-29's seventh
-# session). Left: RC-DPFL on FashionMNIST at the paper's setting, 21 runs, about 20 lane-hours
-# (10 hours of two lanes); on a lent GPU: gpu_session.sh.
+# session). Left: RC-DPFL on FashionMNIST at the paper's setting, 19 of 21 runs (each client alone
+# with DP-SGD and the oracle, seed 0, parked at rounds 155 and 109), about 18 lane-hours (9 hours of
+# two lanes; 16 to 21 s a round); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LANES=${LANES:-"1 2"}
@@ -86,6 +87,11 @@ if [ "${1:-}" = list ]; then
   queue | nl -w3 -s'  '
   exit 0
 fi
+
+# stop parks with index.py (torch), the lanes run the harnesses: both need the project's python
+python -c "import torch, fedfdp" 2> /dev/null || {
+  echo "error: cpu_queue.sh: $(command -v python || echo python) cannot import torch and fedfdp: activate the project's venv first (. .venv/bin/activate)" >&2
+  exit 1; }
 
 if [ "${1:-}" = stop ]; then
   groups=()
