@@ -31,7 +31,7 @@
 # 63, the oracle 59, KM-CDPFL 54 to 79, each client alone with DP-SGD 54 to 73, without DP about 37
 # at 11 s a round). FinP's table is complete, and RC-DPFL's MNIST table (2026-11-29's seventh
 # session). Left: RC-DPFL on FashionMNIST at the paper's setting, 19 of 21 runs (each client alone
-# with DP-SGD and the oracle, seed 0, parked at rounds 155 and 109), about 18 lane-hours (9 hours of
+# with DP-SGD and the oracle, seed 0, parked at rounds 166 and 109), about 18 lane-hours (9 hours of
 # two lanes; 16 to 21 s a round); on a lent GPU: gpu_session.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
