@@ -6,8 +6,8 @@ RDP or PRV accountant, the durable ledger file, round planning, the start-up che
 makes it a Lightning callback: each federation hook hands the accountant what it needs from the
 run, in the federation's phase order:
 
-* ``setup_federation``: the start-up checks (δ, every release and upload field has a guarantee),
-  then the ledgers are rebuilt from the ledger file;
+* ``setup_federation``: the start-up checks (δ, every release and upload field has a guarantee,
+  the model and loss keep the clipped sum's sensitivity on a probe batch), then the ledgers are rebuilt from the ledger file;
 * ``max_rounds``: the rounds the budget allows; ``on_round_start``: the per-round guard;
 * ``on_client_release``: the upload's fields are checked and its events written and charged;
   ``on_uploads_final``: fsynced before any upload leaves the process; ``on_before_aggregate``:
@@ -24,6 +24,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
+from fedfdp.privacy.probe import probe_federation_client
 from fedfdp.privacy.run_accountant import AccountingMode, RunAccountant
 from fedfdp.privacy.uploads import declared_upload_privacy
 
@@ -68,7 +69,7 @@ class RDPAccounting(RunAccountant, FederationCallback):
         for cb in federation.federation_callbacks():
             releases.extend(cb.dp_releases(federation))
         self.check_guarantee(releases, declared_upload_privacy(federation), federation.client.net,
-                             type(federation.algorithm).__name__)
+                             type(federation.algorithm).__name__, probe_federation_client(federation, releases))
         self.open_ledger(rank_and_world()[0])
 
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:

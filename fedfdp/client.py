@@ -37,6 +37,7 @@ from fedfdp.errors import ConfigError, require
 from fedfdp.privacy.mechanism import current_trace, stamp_model
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.release import gaussian_sum_release
+from fedfdp.privacy.sampling import drawn_rate
 from fedfdp.privacy.validation import replace_batchnorm as replace_batchnorm_layers
 from fedfdp.types import MODEL_RELEASE, LocalBatch, StepOutput
 
@@ -256,15 +257,32 @@ class ClientModule(LightningModule):
         return flat
 
     def set_flat_params(self, flat: Tensor) -> None:
-        """Load a flat parameter vector (e.g. the broadcast global model ``w_t``)."""
+        """Load a flat parameter vector (e.g. a cluster model, a personal model).
+
+        Inside a client's update the mechanism notes what was loaded: a private step from anything
+        but the start model, a public server state or a released state releases no model an
+        upload may carry (:class:`fedfdp.privacy.mechanism.MechanismTrace`).
+        """
         # copy_ rather than torch's vector_to_parameters, which makes the parameters *views* of
         # ``flat`` so that local steps would write into the caller's vector
         offset = 0
+        params = self.trainable_parameters()
         with torch.no_grad():
-            for param in self.trainable_parameters():
+            for param in params:
                 n = param.numel()
                 param.copy_(flat[offset:offset + n].view_as(param))
                 offset += n
+        trace = current_trace()
+        if trace is not None:
+            trace.note_load(params, flat)
+
+    def load_start_model(self, flat: Tensor) -> None:
+        """Load the model a client's update starts from (the federation's call: the broadcast ``w_t``
+        or the start model the server half chose for the client)."""
+        self.set_flat_params(flat)
+        trace = current_trace()
+        if trace is not None:
+            trace.note_start(self.trainable_parameters(), flat)
 
     def training_step(self, batch: LocalBatch, batch_idx: int = 0) -> StepOutput:  # type: ignore[override]
         """One local step: private (clip, noise, normalise; Eq. 12-13) or plain SGD."""
@@ -363,16 +381,19 @@ class ClientModule(LightningModule):
         state (:mod:`fedfdp.privacy.mechanism`).
         """
         assert batch.generator is not None and batch.clip_rule is not None
+        # the rate the mechanism drew this batch at, not the one declared with it (None: it did not draw it)
         noisy = gaussian_sum_release(clipped_sum, noise_std=batch.noise_std, sensitivity=batch.clip_rule.max_grad_norm,
-                                     generator=batch.generator, kind=MODEL_RELEASE, sample_rate=batch.sample_rate,
-                                     sample=batch)
+                                     generator=batch.generator, kind=MODEL_RELEASE,
+                                     sample_rate=drawn_rate(batch.x, batch.y), sample=batch)
         params = self.trainable_parameters()
+        trace = current_trace()
+        clean = trace is None or trace.is_clean(params)  # the step starts from a state the chain knows
         for param, grad in zip(params, noisy):
             param.grad = grad.div_(batch.denominator)  # ``grad`` is a fresh tensor
         self._apply_grad_transform(batch)
         self._set_lr(batch.lr)
         self.local_optimizer.step()
-        stamp_model(params)
+        stamp_model(params, clean)
         n = int(batch.y.shape[0])
         clipped = float((norms * factors.abs() < norms - 1e-12).float().mean()) if n else 0.0
         negative = float(getattr(batch.clip_rule, "last_negative_fraction", 0.0))

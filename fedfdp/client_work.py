@@ -21,7 +21,9 @@ from fedfdp.distributed import gather_updates, rank_and_world
 from fedfdp.errors import PrivacyError
 from fedfdp.interfaces import AlgorithmHooks, FederatedData
 from fedfdp.privacy.accountant import PrivacyAccountant
+from fedfdp.privacy.channel import changed_attribute, fingerprint
 from fedfdp.privacy.mechanism import current_trace, tracing, verify_upload
+from fedfdp.privacy.sampling import hand_over
 from fedfdp.privacy.uploads import POST_PROCESSING, declared_upload_privacy
 from fedfdp.seeding import RandomSource, make_generator
 from fedfdp.stacked import StackedRound
@@ -43,6 +45,7 @@ class FederationClientWork:
     current_round: int
     _stacked: StackedRound
     _declared_uploads: dict[str, str | None] | None
+    _channel_before: dict[str, Any] | None = None
     accountant: PrivacyAccountant | None
 
     def _call(self, hook: str, *args: Any) -> None:  # the federation's callback dispatch
@@ -51,7 +54,8 @@ class FederationClientWork:
     def client_data(self, client_id: int) -> ClientData:
         """Client ``client_id``'s training split on this module's device."""
         x, y = self.datamodule.client_train(client_id, self.device)
-        return ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device))
+        # handed over: the only data the mechanism draws a private step's sample from (fedfdp.privacy.sampling)
+        return hand_over(ClientData(client_id=client_id, x=x.to(self.device), y=y.to(self.device)))
 
     def generator(self, *keys: int | str) -> RandomSource:
         """The random source of stream ``keys`` (seeded, or the CSPRNG with ``secure_rng``)."""
@@ -64,6 +68,7 @@ class FederationClientWork:
         upload leaves)."""
         self._call("on_client_update", self.client, data, update)
         self.check_mechanism(update)
+        self.check_channel(update)
         self._call("on_client_release", update)
 
     def check_mechanism(self, update: ClientUpdate) -> None:
@@ -95,6 +100,32 @@ class FederationClientWork:
         logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", message)
         accountant.mark_non_private()
 
+    def check_channel(self, update: ClientUpdate) -> None:
+        """Refuse an upload while the clients' half has left state on the algorithm that its server's
+        half could read unreleased (:mod:`fedfdp.privacy.channel`): the algorithm's fingerprint
+        taken when the round's clients' half started must still hold. Checked before each upload is
+        released, so nothing is charged, written or aggregated.
+
+        Raises:
+            PrivacyError: one line naming the attribute (with ``allow_non_private``, ε is infinite).
+        """
+        before, accountant = self._channel_before, self.accountant
+        if before is None or accountant is None:
+            return
+        name = changed_attribute(self.algorithm, before)
+        if name is None:
+            return
+        message = (f"round {self.current_round + 1}: the clients' half of model.algorithm "
+                   f"{type(self.algorithm).__name__} (local_update) changed its attribute {name!r}, which its "
+                   f"server's half could read unreleased; keep per-client state in a "
+                   f"fedfdp.algorithms.client_state.ClientStateStore and send the server only the upload; client "
+                   f"{update.client_id}'s upload was not released")
+        if not accountant.allow_non_private:
+            raise PrivacyError(message)
+        logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", message)
+        accountant.mark_non_private()
+        self._channel_before = fingerprint(self.algorithm)  # reported once
+
     def train_client(self, client_id: int, context: RoundContext, global_params: torch.Tensor) -> ClientUpdate:
         """One client's local update from ``global_params`` and its release (charged before it returns).
 
@@ -102,8 +133,8 @@ class FederationClientWork:
         ``on_client_release`` run before the upload is returned. A Flower ClientApp runs exactly
         this on its node (:mod:`fedfdp.flower.node`).
         """
-        with tracing(client_id):
-            self.client.set_flat_params(self.algorithm.client_start_params(client_id, global_params, context))
+        with tracing(client_id, self.algorithm.public_server_state):
+            self.client.load_start_model(self.algorithm.client_start_params(client_id, global_params, context))
             data = self.client_data(client_id)
             generator = self.generator("client", self.current_round, client_id)
             with self.client.local_optimizer_for(client_id):  # fresh, or the client's kept state
@@ -121,6 +152,8 @@ class FederationClientWork:
         the clients' work to their nodes instead; a client may then be missing from the result.
         """
         rank, world = rank_and_world()
+        # what the server's half may see of the algorithm when the clients' half starts (check_channel)
+        self._channel_before = fingerprint(self.algorithm) if self.accountant is not None else None
         stacked = self._stacked.plan(self, context) if self.stacked_round else None
         local: list[ClientUpdate] = []
         if stacked is not None:  # one engine pass over the union of the clients' batches (one process)

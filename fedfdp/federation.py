@@ -42,6 +42,7 @@ from fedfdp.plan import (check_distributed, check_expected_batches, check_model_
                          check_round_count)
 from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.channel import server_half
 from fedfdp.seeding import numpy_generator
 from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientUpdate
@@ -289,7 +290,8 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         """One round: broadcast, local updates, privatised uploads, aggregation, evaluation."""
         start = time.perf_counter()
         round_idx = self.current_round = int(self.global_step)
-        context = self.algorithm.configure_round(round_idx)
+        with server_half("configure_round"):
+            context = self.algorithm.configure_round(round_idx)
         client_ids = self.sample_clients(round_idx)
         self._call("on_round_start", context, client_ids)
 
@@ -303,7 +305,8 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
                                       f"model or loss (diverged; lower algorithm.lr?)")
         self._call("on_before_aggregate", updates)
 
-        target = self.algorithm.aggregate(global_params, updates, context)
+        with server_half("aggregate"):
+            target = self.algorithm.aggregate(global_params, updates, context)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         pseudo_grad = global_params - target
@@ -318,7 +321,8 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         if round_idx % TRIM_EVERY == 0:
             release_freed_memory()
 
-        metrics: dict[str, Any] = dict(self.algorithm.on_round_end(updates, context))
+        with server_half("on_round_end"):
+            metrics: dict[str, Any] = dict(self.algorithm.on_round_end(updates, context))
         metrics.update(_mean_diagnostics(updates))
         self._call("on_round_end", context, updates, metrics)
         self._round_seconds.append(time.perf_counter() - start)

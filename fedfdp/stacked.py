@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.nn.utils import parameters_to_vector
 
 from fedfdp.privacy.grouped import GroupedNetwork
 from fedfdp.privacy.mechanism import MechanismTrace, resumed, tracing
@@ -246,8 +245,9 @@ class StackedRound:
         for k, (batch, (lo, hi)) in enumerate(zip(batches, segments)):
             clipped_sum, sums[k] = sums[k], None
             assert clipped_sum is not None
-            with tracing(client_ids[k]):  # the client's mechanism calls and release, checked before it leaves
-                client.set_flat_params(starts[k])
+            # the client's mechanism calls and release, checked before it leaves
+            with tracing(client_ids[k], federation.algorithm.public_server_state):
+                client.load_start_model(starts[k])
                 with client.local_optimizer_for(client_ids[k]):  # fresh, or the client's kept state
                     output = client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi], factors[k])
                 update = spec.update(client, data[k], output)
@@ -277,7 +277,7 @@ class StackedRound:
         round_idx = federation.current_round
         data = [federation.client_data(cid) for cid in client_ids]
         generators = [federation.generator("client", round_idx, cid) for cid in client_ids]
-        traces = [MechanismTrace(cid) for cid in client_ids]
+        traces = [MechanismTrace(cid, public_states=federation.algorithm.public_server_state) for cid in client_ids]
         models = list(starts)
         if spec.start is not None:
             for k, cid in enumerate(client_ids):
@@ -285,7 +285,6 @@ class StackedRound:
                     models[k] = spec.start(client, data[k], generators[k])
         counts = [spec.steps_of(d) for d in data]
         outputs: list[list[StepOutput]] = [[] for _ in client_ids]
-        params = client.trainable_parameters()
         for step in range(max(counts, default=0)):
             active = [k for k, count in enumerate(counts) if count > step]
             batches = [spec.batch(data[k], generators[k]) for k in active]
@@ -295,14 +294,16 @@ class StackedRound:
                 clipped_sum, sums[j] = sums[j], None
                 assert clipped_sum is not None
                 with resumed(traces[k]):
-                    client.set_flat_params(models[k])
+                    if step == 0:  # the start model (after the spec's start half, e.g. a cluster selection)
+                        client.load_start_model(models[k])
+                    else:
+                        client.set_flat_params(models[k])
                     with client.local_optimizer_for(client_ids[k]):
                         outputs[k].append(client.apply_private_sum(batch, clipped_sum, losses[lo:hi], norms[lo:hi],
                                                                    factors[j]))
-                    # after the last step: the released model state, read (and stamped in the client's
-                    # trace) before any other model is loaded; before it, the next step's model
-                    models[k] = (client.get_flat_params() if step == counts[k] - 1
-                                 else parameters_to_vector(params).detach().clone())
+                    # the released model state after this step, read (and noted in the client's trace)
+                    # before any other model is loaded: the next step's start, or the upload
+                    models[k] = client.get_flat_params()
         updates: list[ClientUpdate] = []
         for k, cid in enumerate(client_ids):  # uploads and releases in client order, each with its model loaded
             with resumed(traces[k]):

@@ -100,7 +100,8 @@ from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound,
                                               unclipped_fraction_estimate)
 from fedfdp.privacy.release import NormalizeBy, batch_denominator, noisy_count_release
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask, select_rows
+from fedfdp.privacy.sampling import drawn_rate, poisson_sample
+from fedfdp.seeding import RandomSource
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -261,8 +262,7 @@ class DPFedAvgAdaClip(DPFedAvg):
     def step_batch(self, data: ClientData, bound: float, generator: RandomSource) -> LocalBatch:
         """One private step's input at bound ``C = bound``: a Poisson batch (the next draw of
         ``generator``), flat counting clip (A1), noise std ``σ_Δ C`` (A2), step ``η/C`` or ``η`` (A6)."""
-        mask = poisson_mask(data.size, self.sample_rate, generator)
-        x, y = select_rows(mask, data.x, data.y)
+        x, y = poisson_sample(data, self.sample_rate, generator)  # drawn by the mechanism
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate, dataset_size=data.size,
                                         realized=int(y.shape[0]), constant=self.normalize_constant)
         return LocalBatch(x=x, y=y, lr=self.lr / bound if self.normalized_clipping else self.lr,
@@ -278,7 +278,7 @@ class DPFedAvgAdaClip(DPFedAvg):
         # step's own sample, so with ``split`` accounting the pair is one joint SGM(q, σ)
         return noisy_count_release(rule.unclipped - 0.5 * rule.size, noise_std=self.count_noise_std, sensitivity=0.5,
                                    generator=generator, device=data.y.device, kind=self._count_kind(),
-                                   sample_rate=self.sample_rate, sample=batch)
+                                   sample_rate=drawn_rate(batch.x, batch.y), sample=batch)
 
     def expected_count(self, dataset_size: int) -> float:
         """``q|D_i|``, the public divisor of (A4)."""

@@ -3,7 +3,8 @@
 A :class:`ClientStateStore` maps ``client id → name → tensor``. Entries are created lazily the
 first time a client needs them, so memory is spent only on clients that have state (a client
 that never trained costs nothing), and the whole store is part of the algorithm's
-``state_dict`` and therefore of every Lightning checkpoint.
+``state_dict`` and therefore of every Lightning checkpoint. What a client keeps stays on the
+client: the server's half of a round cannot read it (:mod:`fedfdp.privacy.channel`).
 """
 
 from __future__ import annotations
@@ -14,19 +15,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedfdp.privacy.channel import check_client_state_read
+
 
 class ClientStateStore:
     """Lazily created per-client tensors with ``state_dict``/``load_state_dict``."""
+
+    #: what it holds stays on the client: the server's half cannot read it, and the check that the
+    #: clients' half leaves nothing on the algorithm leaves it out (:mod:`fedfdp.privacy.channel`)
+    holds_client_state = True
 
     def __init__(self) -> None:
         self._state: dict[int, dict[str, Tensor]] = {}
 
     def has(self, client_id: int, name: str) -> bool:
         """Whether ``client_id`` already holds ``name``."""
+        check_client_state_read(f"whether client {client_id} holds {name!r}")
         return name in self._state.get(client_id, {})
 
     def get(self, client_id: int, name: str, default: Callable[[], Tensor] | None = None) -> Tensor | None:
         """The stored tensor; if absent, ``default()`` is stored and returned (None: nothing stored)."""
+        check_client_state_read(f"client {client_id}'s {name!r}")
         entry = self._state.get(client_id, {})
         if name in entry:
             return entry[name]
@@ -42,6 +51,7 @@ class ClientStateStore:
 
     def entry(self, client_id: int) -> dict[str, Tensor]:
         """Everything ``client_id`` holds, by name (empty when it holds nothing)."""
+        check_client_state_read(f"client {client_id}'s state")
         return dict(self._state.get(client_id, {}))
 
     def set_entry(self, client_id: int, entry: dict[str, Tensor]) -> None:
@@ -53,6 +63,7 @@ class ClientStateStore:
 
     def clients(self) -> list[int]:
         """Client ids that hold any state."""
+        check_client_state_read("which clients hold state")
         return sorted(self._state)
 
     def evaluation_groups(self, name: str, fallback: Tensor, num_clients: int) -> list[tuple[list[int], Tensor]]:

@@ -45,7 +45,7 @@ from fedfdp.privacy.clipping import FlatClip
 from fedfdp.privacy.release import exponential_selection
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import poisson_mask, select_rows
+from fedfdp.privacy.sampling import poisson_sample, whole_set
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -359,10 +359,8 @@ class ClusteredDPFL(Algorithm):
         The noise is the step's next draw of ``generator``, after the batch's Poisson mask.
         """
         q = 1.0 if full_batch else min(1.0, self.batch_size / data.size)
-        x, y = data.x, data.y
-        if not full_batch:
-            mask = poisson_mask(data.size, q, generator)
-            x, y = select_rows(mask, x, y)
+        # drawn by the mechanism: the whole set (q = 1) or a Poisson sample of rate q
+        x, y = whole_set(data) if full_batch else poisson_sample(data, q, generator)
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
                           noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
                           denominator=q * data.size, generator=generator,

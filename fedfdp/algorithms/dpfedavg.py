@@ -15,7 +15,8 @@ from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource, poisson_mask, select_rows
+from fedfdp.privacy.sampling import poisson_sample
+from fedfdp.seeding import RandomSource
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 
@@ -90,8 +91,7 @@ class DPFedAvg(Algorithm):
         The step's noise ``N(0, (σC)² I)`` is drawn later from the same ``generator``; the divisor
         is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
         """
-        mask = poisson_mask(data.size, self.sample_rate, generator)
-        x, y = select_rows(mask, data.x, data.y)
+        x, y = poisson_sample(data, self.sample_rate, generator)  # drawn by the mechanism
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)

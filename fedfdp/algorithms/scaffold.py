@@ -52,21 +52,21 @@ class _Scaffold(GradTermMixin):
         return {**super().upload_privacy(), f"extras.{_DELTA}": POST_PROCESSING}  # type: ignore[misc]
 
     def grad_term(self, client_id: int, start: Tensor, context: RoundContext) -> GradTerm:
-        """The constant correction ``c − c_i``."""
-        if self.control is None:
-            self.control = torch.zeros_like(start)
+        """The constant correction ``c − c_i`` (``c = 0`` before the server's first update: read, not
+        stored, since the clients' half leaves nothing on the algorithm, :mod:`fedfdp.privacy.channel`)."""
+        control = self.control if self.control is not None else torch.zeros_like(start)
         c_i = self.client_state.get(client_id, "c")
-        correction = self.control - c_i if c_i is not None else self.control.clone()
+        correction = control - c_i if c_i is not None else control.clone()
         return lambda w: correction
 
     def after_local_update(self, update: ClientUpdate, start: Tensor, steps: int, context: RoundContext) -> None:
         """``c_i⁺ = c_i − c + (x − y_i)/(K η)``; upload ``Δc_i``."""
         if self.freeze_control_variates or steps == 0:
             return
-        assert self.control is not None
+        control = self.control if self.control is not None else torch.zeros_like(start)
         c_i = self.client_state.get(update.client_id, "c", lambda: torch.zeros_like(start))
         assert c_i is not None
-        new_c_i = c_i - self.control + (start - update.params) / (steps * self.lr)
+        new_c_i = c_i - control + (start - update.params) / (steps * self.lr)
         update.extras[_DELTA] = new_c_i - c_i
         self.client_state.set(update.client_id, "c", new_c_i)
 

@@ -55,6 +55,7 @@ from fedfdp.metrics import evaluate_clientwise
 from fedfdp.privacy.accountant import find_accountant
 from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
+from fedfdp.privacy.probe import model_clip_bound, probe_client
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.types import ClientUpdate, RoundContext
 
@@ -166,10 +167,16 @@ class NodeClient:
         fed.algorithm.setup(fed)
         self.planned = fed.planned_dp_events(self.client_id)
         if self.planned:  # the client's own check: every release it makes has a guarantee
-            check_releases([*fed.algorithm.dp_releases(), *(r for cb in self.callbacks for r in cb.dp_releases(fed))])
+            releases = [*fed.algorithm.dp_releases(), *(r for cb in self.callbacks for r in cb.dp_releases(fed))]
+            check_releases(releases)
             mixing = sample_mixing_layers(fed.client.net)
             require(not mixing, f"model.client.init_args.net has layers that mix the samples of a batch "
                                 f"({', '.join(mixing)}: BatchNorm); this client releases nothing through it")
+            bound = model_clip_bound(releases)
+            if bound is not None:  # the model and loss this node trains, on a probe batch shaped like its records
+                x, y = self.datamodule.client_train(self.client_id)
+                problems = probe_client(fed.client, x[:1], y[:1], bound)
+                require(not problems, f"{problems[0] if problems else ''}; this client releases nothing through it")
 
     def describe(self) -> NodeDescription:
         """The node's answer to the server's ``query``."""

@@ -82,7 +82,7 @@ class PrivacyAccountant(Protocol):
         ...
 
     def check_guarantee(self, releases: Sequence[DPRelease], declared: dict[str, str | None], net: nn.Module,
-                        algorithm: str) -> None:
+                        algorithm: str, model_problems: Sequence[str] = ()) -> None:
         """Refuse any configured release or declared upload field without a guarantee (or, with
         ``allow_non_private``, report ε as infinite)."""
         ...

@@ -32,7 +32,7 @@ record nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -79,6 +79,16 @@ class MechanismTrace:
         released: the scalar outputs of releases whose value is uploaded as it is (the loss).
         released_tensors: the tensor outputs of releases handed over as they are (a histogram).
         model_states: flat parameter vectors read at a stamped state (after a private step).
+        start_states: the model the federation loaded to start the update (:meth:`note_start`).
+        public_states: the algorithm's public server state (``Algorithm.public_server_state``), read
+            only when a model is loaded that is none of the states above (e.g. a cluster model).
+
+    The trace follows the chain of model states a private step may start from: a state is *clean*
+    when it is the start model, a public server state, a state read right after a private step
+    that started from a clean state, or a reload of any of these. A private step from a state that
+    is not clean (after a plain step, an edit of the parameters, a load of anything else) releases
+    a model that is not stamped, so an upload of it is refused: the guarantee of the uploaded model
+    rests on every step between the broadcast and the upload being private.
     """
 
     client_id: int
@@ -86,6 +96,8 @@ class MechanismTrace:
     released: list[float] = field(default_factory=list)
     released_tensors: list[Tensor] = field(default_factory=list)
     model_states: list[Tensor] = field(default_factory=list)
+    start_states: list[Tensor] = field(default_factory=list)
+    public_states: Callable[[], Any] | None = None
     _stamp: tuple[tuple[int, int], ...] | None = None
     _samples: list[object] = field(default_factory=list)  # keeps the samples alive: their ids stay unique
 
@@ -94,6 +106,24 @@ class MechanismTrace:
         last private step."""
         if self._stamp is not None and self._stamp == _versions(params):
             self.model_states.append(flat)
+
+    def note_start(self, params: Sequence[Tensor], flat: Tensor) -> None:
+        """The federation loaded ``flat`` (the start of the local update) into ``params``: a clean state."""
+        self.start_states.append(flat)
+        self._stamp = _versions(params)
+
+    def note_load(self, params: Sequence[Tensor], flat: Tensor) -> None:
+        """``flat`` was loaded into ``params``: clean if it is a clean state, else the chain is broken."""
+        self._stamp = _versions(params) if self._known(flat) else None
+
+    def is_clean(self, params: Sequence[Tensor]) -> bool:
+        """Whether ``params`` hold a clean state (nothing changed them since one was loaded or released)."""
+        return self._stamp is not None and self._stamp == _versions(params)
+
+    def _known(self, flat: Tensor) -> bool:
+        if any(_equal(flat, state) for state in (*self.start_states, *self.model_states)):
+            return True
+        return self.public_states is not None and any(_equal(flat, t) for t in _tensors(self.public_states()))
 
     def released_model(self, params: Tensor) -> bool:
         """Whether ``params`` is a model state the mechanism stamped (the same tensor, or equal to one)."""
@@ -112,9 +142,10 @@ def current_trace() -> MechanismTrace | None:
 
 
 @contextmanager
-def tracing(client_id: int) -> Iterator[MechanismTrace]:
-    """Open a fresh trace for ``client_id``'s local update and release."""
-    trace = MechanismTrace(client_id)
+def tracing(client_id: int, public_states: Callable[[], Any] | None = None) -> Iterator[MechanismTrace]:
+    """Open a fresh trace for ``client_id``'s local update and release (``public_states``: the
+    algorithm's public server state, :attr:`MechanismTrace.public_states`)."""
+    trace = MechanismTrace(client_id, public_states=public_states)
     token = _TRACE.set(trace)
     try:
         yield trace
@@ -150,11 +181,30 @@ def record_call(kind: str, noise_multiplier: float, sample_rate: float | None, s
         trace.released.append(float(output))
 
 
-def stamp_model(params: Sequence[Tensor]) -> None:
-    """The mechanism's private step has just updated ``params``: their state is a released model."""
+def stamp_model(params: Sequence[Tensor], clean: bool = True) -> None:
+    """The mechanism's private step has just updated ``params``: their state is a released model when
+    the step started from a clean state (``clean``), else not (:class:`MechanismTrace`)."""
     trace = _TRACE.get()
     if trace is not None:
-        trace._stamp = _versions(params)
+        trace._stamp = _versions(params) if clean else None
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a is b or (a.shape == b.shape and torch.equal(a.detach().to(b.device), b.detach()))
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in a public server state (dicts, lists and tuples of tensors; a stacked tensor's rows)."""
+    if isinstance(value, Tensor):
+        yield value
+        if value.dim() == 2:
+            yield from value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _versions(params: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
@@ -234,7 +284,8 @@ def verify_upload(update: ClientUpdate, trace: MechanismTrace, declared: dict[st
             continue  # not claimed private (refused elsewhere), or post-processing of charged releases
         if name == "params" and not trace.released_model(update.params):
             problems.append(f"uploads a {describe(name)} that is not the model state after its last private step "
-                            f"(changed after the mechanism, or trained without it)")
+                            f"(changed after the mechanism, trained without it, or trained from a model that was "
+                            f"neither the one it was handed nor a released one)")
         elif name == "reported_loss" and update.reported_loss not in trace.released:
             problems.append(f"uploads a {describe(name)} that the loss release did not return")
         elif name.startswith("extras.") and kind not in kinds:

@@ -177,10 +177,11 @@ class RunAccountant:
                               f"{n}, the smallest client's training set (1/n = {1.0 / n:.3g}); the papers use 1e-5")
 
     def check_guarantee(self, releases: Sequence[DPRelease], declared: dict[str, str | None], net: nn.Module,
-                        algorithm: str) -> None:
+                        algorithm: str, model_problems: Sequence[str] = ()) -> None:
         """Every configured release (``releases``: the algorithm's and the callbacks') is noised and
-        bounded, no layer of ``net`` mixes samples, and every field of the uploads is declared
-        private (``declared``, :mod:`fedfdp.privacy.uploads`): else refuse, or with
+        bounded, no layer of ``net`` mixes samples, the model passed its probe (``model_problems``:
+        :func:`fedfdp.privacy.probe.probe_client`'s findings) and every field of the uploads is
+        declared private (``declared``, :mod:`fedfdp.privacy.uploads`): else refuse, or with
         ``allow_non_private`` report ε as infinite."""
         self.declared_uploads = declared
         try:
@@ -199,6 +200,8 @@ class RunAccountant:
                     f"BatchNorm), so one record moves the others' gradients and losses and no release is "
                     f"differentially private; use GroupNorm/LayerNorm, or set "
                     f"model.client.init_args.replace_batchnorm: true to replace them with GroupNorm")
+            if model_problems:
+                raise ConfigError(model_problems[0])
         except ConfigError as err:
             if not self.allow_non_private:
                 raise

@@ -84,6 +84,49 @@ class _StackedEdit(DPFedAvg):
         return StackedStepSpec(batch=spec.batch, update=update, sample_rate=spec.sample_rate)
 
 
+class _PlainStepBefore(DPFedAvg):
+    """A plain full-batch SGD step, then DP-FedAvg's private step (the receipts once saw only that a
+    private step happened)."""
+
+    def local_update(self, client, data, context, generator):  # noqa: D102
+        client.training_step(LocalBatch(x=data.x, y=data.y, lr=self.lr))
+        return super().local_update(client, data, context, generator)
+
+
+class _EditedBefore(DPFedAvg):
+    """Not listed: a data-dependent term loaded into the model before the private step."""
+
+    def local_update(self, client, data, context, generator):  # noqa: D102
+        client.set_flat_params(client.get_flat_params() + 1e-3 * data.x.mean())
+        return super().local_update(client, data, context, generator)
+
+
+class _EveryRecord(DPFedAvg):
+    """Trains on every record at every step but keeps the Poisson rate of its batches (q = 0.2)."""
+
+    def private_batch(self, data, rule, generator):  # noqa: D102
+        return dataclasses.replace(super().private_batch(data, rule, generator), x=data.x, y=data.y)
+
+
+class _RepeatedRecords(DPFedAvg):
+    """Not listed: a Poisson sample drawn from the client's records repeated 5 times (each record 5 chances)."""
+
+    def private_batch(self, data, rule, generator):  # noqa: D102
+        from fedfdp.types import ClientData
+
+        repeated = ClientData(data.client_id, data.x.repeat(5, *[1] * (data.x.dim() - 1)), data.y.repeat(5))
+        return super().private_batch(repeated, rule, generator)
+
+
+class _TwoSamples(DPFedAvg):
+    """Not listed: two honest Poisson samples joined into one batch (a rate of about 2q)."""
+
+    def private_batch(self, data, rule, generator):  # noqa: D102
+        first = super().private_batch(data, rule, generator)
+        second = super().private_batch(data, rule, generator)
+        return dataclasses.replace(first, x=torch.cat([first.x, second.x]), y=torch.cat([first.y, second.y]))
+
+
 class _Undercharged(DPFedAvg):
     """Charges σ 10 times larger than its steps use (so ε reads 100 times smaller)."""
 
@@ -151,6 +194,19 @@ CASES = {
                                                "private step"),
     "local_update: upload edited": (lambda: _EditedUpload(**DP), [], "not the model state after its last private"),
     "stackable_step: upload edited": (lambda: _StackedEdit(**DP), [], "not the model state after its last private"),
+    "local_update: plain step before the mechanism": (lambda: _PlainStepBefore(**DP), [],
+                                                      "not the model state after its last private step"),
+    "local_update: model edited before the mechanism": (lambda: _EditedBefore(**DP), [],
+                                                        "not the model state after its last private step"),
+    "private_batch: every record, q declared": (lambda: _EveryRecord(**DP), [],
+                                                "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private "
+                                                "mechanism did not make"),
+    "private_batch: records repeated": (lambda: _RepeatedRecords(**DP), [],
+                                        "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private mechanism "
+                                        "did not make"),
+    "private_batch: two samples joined": (lambda: _TwoSamples(**DP), [],
+                                          "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private mechanism "
+                                          "did not make"),
     "planned_dp_events: sigma undercharged": (lambda: _Undercharged(**DP), [],
                                               "charges 1 DP event(s) 'model' at sigma=10, q=0.2"),
     "planned_dp_events: wrong q": (lambda: _WrongRate(**DP), [], "charges 1 DP event(s) 'model' at sigma=1, q=0.02"),
