@@ -45,18 +45,18 @@ def make_steps(model: str, batch_size: int, engine: str, device: str) -> dict[st
     y = torch.randint(0, 10, (batch_size,), device=device)
     client = ClientModule(FedAvgCNN(in_channels=channels, image_size=side), per_sample=engine).to(device)
     gen = torch_generator(0, "bench", device=device)
-    noise = 2.0 * 0.1
+    sigma = 2.0
 
     def plain() -> None:
         client.training_step(LocalBatch(x=x, y=y, lr=0.01))
 
     def dp_fedavg() -> None:
-        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(0.1), noise_std=noise,
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(0.1), noise_multiplier=sigma,
                                         denominator=float(batch_size), generator=gen))
 
     def fedfdp() -> None:
         rule = FairClip(0.1, fairness_weight=0.1, broadcast_loss=1.0)
-        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=rule, noise_std=noise,
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=rule, noise_multiplier=sigma,
                                         denominator=float(batch_size), generator=gen))
 
     return {"plain SGD": plain, "DP-FedAvg": dp_fedavg, "FedFDP": fedfdp}

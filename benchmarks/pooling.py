@@ -57,7 +57,7 @@ def make_work(net: nn.Module, batch_size: int) -> tuple[dict[str, callable], cal
     gen = torch_generator(0, "bench")
 
     def dp_step() -> None:
-        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(1.0), noise_std=1.0,
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(1.0), noise_multiplier=1.0,
                                         denominator=float(batch_size), generator=gen))
 
     def evaluate() -> None:

@@ -95,7 +95,7 @@ def profile_steps(model: str, batch_size: int, repeats: int, top: int) -> None:
         client.training_step(LocalBatch(x=x, y=y, lr=0.01))
 
     def dp() -> None:
-        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(1.0), noise_std=1.0,
+        client.training_step(LocalBatch(x=x, y=y, lr=0.01, clip_rule=FlatClip(1.0), noise_multiplier=1.0,
                                         denominator=float(batch_size), generator=gen))
 
     medians = interleaved({"plain SGD step": plain, "DP-SGD step": dp}, repeats)

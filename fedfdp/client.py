@@ -321,7 +321,7 @@ class ClientModule(LightningModule):
         """DP-SGD with a per-sample clip rule (FedFDP Alg. 2 lines 6-12).
 
         ``G = Σ_j s_j g_j + N(0, (σC)² I)``, ``w ← w − η G / n`` where ``s_j`` comes from the clip
-        rule (flat or fair), ``σC = noise_std`` and ``n = denominator`` (expected batch size by
+        rule (flat or fair), ``σ = noise_multiplier`` and ``n = denominator`` (expected batch size by
         default). Noise is added even for an empty batch.
 
         The work is split in two reusable halves: the clipped sum ``Σ_j s_j g_j`` from the
@@ -376,13 +376,14 @@ class ClientModule(LightningModule):
         per-sample ``ℓ_j``, ``‖g_j‖`` and ``s_j`` (diagnostics only).
 
         This is the model release of the private mechanism: the noise is one recorded call of
-        :func:`~fedfdp.privacy.release.gaussian_sum_release` (σ = ``noise_std / C``, q =
+        :func:`~fedfdp.privacy.release.gaussian_sum_release` (σ = ``noise_multiplier``, q =
         ``batch.sample_rate``), and the parameters after the step are stamped as a released model
         state (:mod:`fedfdp.privacy.mechanism`).
         """
         assert batch.generator is not None and batch.clip_rule is not None
         # the rate the mechanism drew this batch at, not the one declared with it (None: it did not draw it)
-        noisy = gaussian_sum_release(clipped_sum, noise_std=batch.noise_std, sensitivity=batch.clip_rule.max_grad_norm,
+        noisy = gaussian_sum_release(clipped_sum, noise_multiplier=batch.noise_multiplier,
+                                     sensitivity=batch.clip_rule.max_grad_norm,
                                      generator=batch.generator, kind=MODEL_RELEASE,
                                      sample_rate=drawn_rate(batch.x, batch.y), sample=batch)
         params = self.trainable_parameters()

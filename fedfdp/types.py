@@ -53,17 +53,20 @@ class LocalBatch:
 
     ``clip_rule=None`` means a non-private step on the mean loss, optionally multiplied by
     ``loss_scale(mean_loss)`` (FedFair's dynamic learning rate, Eq. 9). Otherwise the step is
-    private: per-sample factors from ``clip_rule``, Gaussian noise of std ``noise_std`` on the sum,
-    division by ``denominator``.
+    private: per-sample factors from ``clip_rule``, Gaussian noise of noise multiplier
+    ``noise_multiplier`` (σ: the std σC on the sum is formed by the release, C the clip rule's
+    bound), division by ``denominator``.
 
     ``grad_transform(params, grads) -> grads`` runs after privatisation (after noise and
     normalisation) and before the optimizer step: the place for data-independent terms such as
     FedProx's ``μ(w − w_t)`` or SCAFFOLD's ``c − c_i``. Inside the per-sample loss they would be
     clipped away (style.md §4.2); here they are post-processing and cost no privacy.
 
-    ``sample_rate`` is the Poisson rate q the private batch was drawn at (1 for a full batch): the
-    private mechanism records it with the step, and an upload may charge only the (σ, q) its steps
-    had (:mod:`fedfdp.privacy.mechanism`). A private batch without it matches no charged event.
+    ``sample_rate`` is the Poisson rate q the private batch was drawn at (1 for a full batch), for
+    the algorithm's own bookkeeping: the mechanism records the rate at which it drew the batch's
+    tensors itself (:mod:`fedfdp.privacy.sampling`), and an upload may charge only the (σ, q) its
+    steps had (:mod:`fedfdp.privacy.mechanism`). A batch the mechanism did not draw matches no
+    charged event.
 
     ``physical_batch_size = P`` bounds the memory of a private step on a large logical batch (e.g.
     a full-batch step on all ``N_i`` records): the per-sample pass runs on consecutive chunks of at
@@ -76,7 +79,7 @@ class LocalBatch:
     y: Tensor
     lr: float
     clip_rule: ClipRule | None = None
-    noise_std: float = 0.0
+    noise_multiplier: float = 0.0
     denominator: float = 1.0
     generator: RandomSource | None = None
     loss_scale: Callable[[Tensor], Tensor] | None = None

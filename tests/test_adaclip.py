@@ -165,7 +165,8 @@ def test_each_sample_contributes_at_most_the_current_bound_in_the_real_step(scal
         grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
         # an independent float32 recomputation: inputs up to 1e3 amplify rounding (measured 1.06e-4)
         assert float((factors[j] * grad).norm()) <= algorithm.bound(0) * (1 + 1e-3)
-    assert batch.noise_std == pytest.approx(split_noise_multiplier(1.0, 2.0) * algorithm.bound(0))
+    assert batch.noise_multiplier == pytest.approx(split_noise_multiplier(1.0, 2.0))
+    assert batch.clip_rule.max_grad_norm == algorithm.bound(0)
 
 
 # ---- the bounds stay in [C_min, C_max] -----------------------------------------------------------------
@@ -204,7 +205,7 @@ def test_split_accounting_charges_exactly_dp_fedavgs_events_and_epsilon():
     assert sigma_delta ** -2 + (2 * 2.0) ** -2 == pytest.approx(1.0 ** -2, rel=1e-12)
     assert sigma_delta > 1.0
     assert [r.noise_multiplier for r in fed.algorithm.dp_releases()] == [1.0, 4.0]  # the charged σ, the count's
-    assert fed.algorithm.step_batch(tiny_data_client(), 0.5, torch.Generator()).noise_std == sigma_delta * 0.5
+    assert fed.algorithm.step_batch(tiny_data_client(), 0.5, torch.Generator()).noise_multiplier == sigma_delta
     assert not torch.equal(flat(fed.global_model), flat(reference.global_model))
 
 

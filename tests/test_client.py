@@ -27,11 +27,11 @@ def test_noise_has_stated_standard_deviation():
     lr, sigma, clip, denom = 0.5, 2.0, 0.1, 16.0
     client = tiny_client()
     start = client.get_flat_params()
-    client.training_step(LocalBatch(x=x, y=y, lr=lr, clip_rule=FlatClip(clip), noise_std=0.0, denominator=denom,
+    client.training_step(LocalBatch(x=x, y=y, lr=lr, clip_rule=FlatClip(clip), noise_multiplier=0.0, denominator=denom,
                                     generator=torch_generator(0, "x")))
     clean = client.get_flat_params()
     client.set_flat_params(start)
-    client.training_step(LocalBatch(x=x, y=y, lr=lr, clip_rule=FlatClip(clip), noise_std=sigma * clip,
+    client.training_step(LocalBatch(x=x, y=y, lr=lr, clip_rule=FlatClip(clip), noise_multiplier=sigma,
                                     denominator=denom, generator=torch_generator(0, "x")))
     noise = (client.get_flat_params() - clean) / (-lr / denom)
     n = noise.numel()
@@ -45,7 +45,7 @@ def test_dp_step_without_noise_and_huge_clip_equals_plain_sgd():
     x, y = _batch()
     client = tiny_client()
     start = client.get_flat_params()
-    client.training_step(LocalBatch(x=x, y=y, lr=0.3, clip_rule=FlatClip(1e9), noise_std=0.0,
+    client.training_step(LocalBatch(x=x, y=y, lr=0.3, clip_rule=FlatClip(1e9), noise_multiplier=0.0,
                                     denominator=float(len(y)), generator=torch_generator(0, "x")))
     private = client.get_flat_params()
     client.set_flat_params(start)
@@ -57,7 +57,7 @@ def test_empty_batch_still_releases_noise():
     client = tiny_client()
     start = client.get_flat_params()
     out = client.training_step(LocalBatch(x=torch.zeros(0, 1, 8, 8), y=torch.zeros(0, dtype=torch.long), lr=1.0,
-                                          clip_rule=FlatClip(0.1), noise_std=0.2, denominator=5.0,
+                                          clip_rule=FlatClip(0.1), noise_multiplier=2.0, denominator=5.0,
                                           generator=torch_generator(0, "x")))
     assert out.batch_size == 0
     assert not torch.equal(start, client.get_flat_params())
@@ -93,7 +93,7 @@ def test_grad_transform_reaches_the_update_after_privatisation():
     x, y = _batch()
     client = tiny_client()
     start = client.get_flat_params()
-    kwargs = dict(x=x, y=y, lr=1.0, clip_rule=FlatClip(1e-6), noise_std=0.0, denominator=1.0,
+    kwargs = dict(x=x, y=y, lr=1.0, clip_rule=FlatClip(1e-6), noise_multiplier=0.0, denominator=1.0,
                   generator=torch_generator(0, "x"))
     client.training_step(LocalBatch(**kwargs))
     base = client.get_flat_params()
@@ -108,7 +108,7 @@ def test_chunked_private_step_is_the_one_pass_step(n, chunk, fair, seed):
     """``physical_batch_size``: the same clipped sum, per-sample statistics and noise draw as one pass."""
     x, y = _batch(n, seed)
     rule = FairClip(0.5, fairness_weight=0.7, broadcast_loss=1.0) if fair else FlatClip(0.5)
-    kwargs = dict(x=x, y=y, lr=0.3, clip_rule=rule, noise_std=0.2, denominator=7.0)
+    kwargs = dict(x=x, y=y, lr=0.3, clip_rule=rule, noise_multiplier=0.4, denominator=7.0)
     client = tiny_client()
     start = client.get_flat_params()
     one_pass = client.clipped_sum(LocalBatch(**kwargs))
@@ -128,5 +128,5 @@ def test_chunked_private_step_is_the_one_pass_step(n, chunk, fair, seed):
 def test_physical_batch_size_must_be_positive():
     x, y = _batch(4)
     with pytest.raises(ValueError, match="physical_batch_size must be >= 1"):
-        tiny_client().training_step(LocalBatch(x=x, y=y, lr=0.1, clip_rule=FlatClip(1.0), noise_std=0.1,
+        tiny_client().training_step(LocalBatch(x=x, y=y, lr=0.1, clip_rule=FlatClip(1.0), noise_multiplier=0.1,
                                                generator=torch_generator(0, "x"), physical_batch_size=0))

@@ -76,7 +76,7 @@ def test_tcn_shapes_causal_option_and_dp_step_through_vmap():
     client = ClientModule(TCN(width=4, seq_len=32))
     before = client.get_flat_params()
     client.training_step(LocalBatch(x=torch.randn(4, 9, 1, 32), y=torch.randint(0, 6, (4,)), lr=0.1,
-                                    clip_rule=FlatClip(1.0), noise_std=0.0, denominator=4.0,
+                                    clip_rule=FlatClip(1.0), noise_multiplier=0.0, denominator=4.0,
                                     generator=torch.Generator().manual_seed(0)))
     assert not torch.equal(before, client.get_flat_params())
 
@@ -87,7 +87,7 @@ def test_groupnorm_resnet_has_no_batchnorm_and_trains_per_sample():
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     client = ClientModule(net)
     client.training_step(LocalBatch(x=torch.randn(3, 3, 16, 16), y=torch.tensor([0, 1, 2]), lr=0.1,
-                                    clip_rule=FlatClip(1.0), noise_std=0.0, denominator=3.0,
+                                    clip_rule=FlatClip(1.0), noise_multiplier=0.0, denominator=3.0,
                                     generator=torch.Generator().manual_seed(0)))
     from fedfdp.errors import ConfigError
 

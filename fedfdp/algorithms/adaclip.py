@@ -266,7 +266,7 @@ class DPFedAvgAdaClip(DPFedAvg):
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate, dataset_size=data.size,
                                         realized=int(y.shape[0]), constant=self.normalize_constant)
         return LocalBatch(x=x, y=y, lr=self.lr / bound if self.normalized_clipping else self.lr,
-                          clip_rule=CountingFlatClip(bound), noise_std=self.model_noise_multiplier * bound,
+                          clip_rule=CountingFlatClip(bound), noise_multiplier=self.model_noise_multiplier,
                           denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def release_count(self, batch: LocalBatch, data: ClientData) -> float:

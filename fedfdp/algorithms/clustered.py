@@ -346,8 +346,8 @@ class ClusteredDPFL(Algorithm):
         The step ``θ ← θ − η_l · g̃`` with
         ``g̃ = (1/b) [ Σ_{j∈B} clip(∇_θ ℓ(h(x_ij, θ), y_ij), c) + N(0, σ²_{i,DP} I_p) ]``,
         ``clip(v, c) = min{‖v‖, c} · v/‖v‖`` (flat clipping at ``c`` = ``max_grad_norm``, so every
-        record adds at most ``c``) and ``σ_{i,DP} = c · z_i`` (``noise_std``, the client's calibrated
-        z_i), taken by :meth:`ClientModule.training_step`:
+        record adds at most ``c``) and ``σ_{i,DP} = c · z_i`` (the batch's ``noise_multiplier`` is the
+        client's calibrated z_i; the release forms the std), taken by :meth:`ClientModule.training_step`:
 
         * normal round: ``B`` is a Poisson sample of rate ``q = min(1, b/N_i)`` (the next draw of
           ``generator``) and the divisor is the *expected* batch size ``q·N_i`` (= b when b ≤ N_i);
@@ -362,7 +362,7 @@ class ClusteredDPFL(Algorithm):
         # drawn by the mechanism: the whole set (q = 1) or a Poisson sample of rate q
         x, y = whole_set(data) if full_batch else poisson_sample(data, q, generator)
         return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
-                          noise_std=float(self.client_noise_multipliers[data.client_id]) * self.max_grad_norm,
+                          noise_multiplier=float(self.client_noise_multipliers[data.client_id]),
                           denominator=q * data.size, generator=generator,
                           physical_batch_size=self.physical_batch_size, sample_rate=q)
 

@@ -95,7 +95,7 @@ class DPFedAvg(Algorithm):
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)
-        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_std=self.noise_multiplier * self.max_grad_norm,
+        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
                           denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:

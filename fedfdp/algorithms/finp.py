@@ -120,10 +120,9 @@ class _FinPMixin:
         if isinstance(self, DPFedAvg):
             bound = self.curvature_bound
             sensitivity = math.sqrt(2) * bound  # of the 2-vector: √2 C_h
-            std = self.curvature_noise_multiplier * math.sqrt(2) * bound
-            # noise from the client's source on its device; the 2-vector stays on the host
-            stats = gaussian_sum_release([stats.clamp(0.0, bound).to(source.device)], noise_std=std,
-                                         sensitivity=sensitivity, generator=source, kind=CURVATURE_RELEASE,
+            # noise std σ_h √2 C_h, from the client's source on its device; the 2-vector stays on the host
+            stats = gaussian_sum_release([stats.clamp(0.0, bound).to(source.device)],
+                                         noise_multiplier=self.curvature_noise_multiplier, sensitivity=sensitivity, generator=source, kind=CURVATURE_RELEASE,
                                          sample_rate=min(1.0, self.curvature_samples / data.size),
                                          sample=idx)[0].cpu()
         return stats

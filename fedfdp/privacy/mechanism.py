@@ -50,8 +50,9 @@ __all__ = ["MechanismCall", "MechanismTrace", "checked_one_off_release", "curren
            "record_call", "stamp_model", "tracing", "verify_one_off_release", "verify_upload"]
 
 _REL_TOL = 1e-9
-"""Relative tolerance when a charged σ is compared with the mechanism's (σ = std / sensitivity is
-recomputed from a product, so the last bit may differ)."""
+"""Relative tolerance when a charged σ is compared with the mechanism's: a release configured by its
+std (a noisy count) records σ = std / sensitivity, whose last bit may differ from the charged σ; a
+model release records σ as it travels (:func:`fedfdp.privacy.release.gaussian_sum_release`)."""
 
 
 @dataclass(frozen=True)

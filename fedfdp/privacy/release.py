@@ -44,18 +44,21 @@ def add_gaussian_noise(sums: list[Tensor], std: float, generator: RandomSource) 
     return noisy
 
 
-def gaussian_sum_release(sums: list[Tensor], *, noise_std: float, sensitivity: float, generator: RandomSource,
+def gaussian_sum_release(sums: list[Tensor], *, noise_multiplier: float, sensitivity: float, generator: RandomSource,
                          kind: str, sample_rate: float | None, sample: object) -> list[Tensor]:
-    """The Gaussian mechanism on a clipped sum of sensitivity ``C``: ``Σ_j s_j g_j + N(0, std² I)``
-    (Eq. 12), recorded as one call of noise multiplier ``σ = std / C`` on the Poisson sample
-    ``sample`` drawn at rate ``sample_rate`` (None: not a Poisson sample the caller declared,
-    which no charged event matches)."""
-    record_call(kind, noise_std / sensitivity if sensitivity > 0 else math.inf, sample_rate, sample)
-    return add_gaussian_noise(sums, noise_std, generator)
+    """The Gaussian mechanism on a clipped sum of sensitivity ``C``: ``Σ_j s_j g_j + N(0, (σC)² I)``
+    (Eq. 12), recorded as one call of noise multiplier ``σ`` on the Poisson sample ``sample`` drawn at
+    rate ``sample_rate`` (None: a sample the mechanism did not draw, which no charged event matches).
+
+    σ travels as σ: the noise std ``σC`` is formed here, from the sensitivity of the clip rule the
+    sum was clipped with, and nowhere else.
+    """
+    record_call(kind, noise_multiplier, sample_rate, sample)
+    return add_gaussian_noise(sums, noise_multiplier * sensitivity, generator)
 
 
 def noisy_count_release(count: float, *, noise_std: float, sensitivity: float, generator: RandomSource,
-                        device: torch.device, kind: str, sample_rate: float, sample: object) -> float:
+                        device: torch.device, kind: str, sample_rate: float | None, sample: object) -> float:
     """``count + N(0, std²)`` (one float64 draw of ``generator`` on ``device``), recorded as a call of
     noise multiplier ``std / sensitivity`` on ``sample`` (e.g. the step's batch: with the step's
     own kind, the pair is one joint mechanism; :func:`fedfdp.privacy.mechanism.joint_calls`)."""

@@ -103,7 +103,8 @@ def check_steps(alg: ClusteredDPFL, client: SpyClient, data: ClientData, round_i
         reference = (grads * torch.clamp(clip / norms, max=1.0)[:, None]).sum(0)
         torch.testing.assert_close(step["clipped"], reference, rtol=1e-4, atol=1e-5 * clip * max(len(norms), 1))
         # 2. the noise std is c·z_i, the divisor q·N_i, the step η_l (sum + noise) / (q N_i)
-        assert batch.noise_std == pytest.approx(clip * z, rel=1e-12), "noise std is not c·z_i"
+        assert batch.noise_multiplier * batch.clip_rule.max_grad_norm == pytest.approx(clip * z, rel=1e-12), \
+            "noise std is not c·z_i"
         assert batch.denominator == pytest.approx(q * N_I, rel=1e-12)
         noise = (step["before"] - step["after"]) * (q * N_I) / LR - step["clipped"]
         # float32 rounding of θ − η G/(qN), seen through the factor qN/η
@@ -156,13 +157,13 @@ def test_the_checks_catch_a_wrong_noise_std(monkeypatch, scale):
 
     def scaled(self, data, full_batch, generator):
         batch = original(self, data, full_batch, generator)
-        return dataclasses.replace(batch, noise_std=batch.noise_std * scale)
+        return dataclasses.replace(batch, noise_multiplier=batch.noise_multiplier * scale)
 
     monkeypatch.setattr(ClusteredDPFL, "private_batch", scaled)
     alg, client, data = local_round(LocalDPSGD, round_idx=1, clip=1.0, zs=[0.5, 1.0, 2.0], client_id=1, chunk=64,
                                     local_epochs=1, seed=0)
     with pytest.raises(AssertionError, match="noise std is not c·z_i"):
         check_steps(alg, client, data, 1)
-    client.steps[0]["batch"] = dataclasses.replace(client.steps[0]["batch"], noise_std=1.0)  # only the released noise
+    client.steps[0]["batch"] = dataclasses.replace(client.steps[0]["batch"], noise_multiplier=1.0)  # only the released noise
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         check_steps(alg, client, data, 1)

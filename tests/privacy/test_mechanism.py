@@ -266,7 +266,7 @@ def test_receipts_match_steps_one_to_one():
     """k charged steps need k calls; the multiset difference names what is left over either way."""
     with tracing(0) as trace:
         for _ in range(3):
-            gaussian_sum_release([torch.zeros(3)], noise_std=2.0, sensitivity=1.0, generator=torch.Generator(),
+            gaussian_sum_release([torch.zeros(3)], noise_multiplier=2.0, sensitivity=1.0, generator=torch.Generator(),
                                  kind=MODEL_RELEASE, sample_rate=0.5, sample=object())
     event = DPEvent(noise_multiplier=2.0, sample_rate=0.5, steps=3)
     assert unmatched([(MODEL_RELEASE, event)], trace) == ([], [])
@@ -277,7 +277,7 @@ def test_receipts_match_steps_one_to_one():
 
 
 def test_outside_a_trace_the_mechanism_records_nothing():
-    out = gaussian_sum_release([torch.zeros(2)], noise_std=1.0, sensitivity=1.0, generator=torch.Generator(),
+    out = gaussian_sum_release([torch.zeros(2)], noise_multiplier=1.0, sensitivity=1.0, generator=torch.Generator(),
                                kind=MODEL_RELEASE, sample_rate=0.1, sample=object())
     assert out[0].shape == (2,)
 
