@@ -18,6 +18,7 @@ Its clients' half (local updates and their releases) is :mod:`fedfdp.client_work
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -305,8 +306,11 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
                                       f"model or loss (diverged; lower algorithm.lr?)")
         self._call("on_before_aggregate", updates)
 
+        # the server's half reads what was released: the uploads without the simulation's diagnostics
+        # (raw losses, realised batch sizes), which reach the logs only
+        released = [dataclasses.replace(update, diagnostics={}) for update in updates]
         with server_half("aggregate"):
-            target = self.algorithm.aggregate(global_params, updates, context)
+            target = self.algorithm.aggregate(global_params, released, context)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         pseudo_grad = global_params - target
@@ -322,7 +326,7 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
             release_freed_memory()
 
         with server_half("on_round_end"):
-            metrics: dict[str, Any] = dict(self.algorithm.on_round_end(updates, context))
+            metrics: dict[str, Any] = dict(self.algorithm.on_round_end(released, context))
         metrics.update(_mean_diagnostics(updates))
         self._call("on_round_end", context, updates, metrics)
         self._round_seconds.append(time.perf_counter() - start)

@@ -15,7 +15,10 @@ its receipts). Two checks keep the halves apart, as a deployment's processes are
   Per-client state belongs in a :class:`fedfdp.algorithms.client_state.ClientStateStore`, which
   the fingerprint leaves out because of the second check;
 * :func:`server_half`: while the server's half runs, a read of a client-state store raises
-  (:func:`check_client_state_read`): what a client keeps stays on the client.
+  (:func:`check_client_state_read`): what a client keeps stays on the client;
+* the server's half is handed the uploads without their simulation diagnostics (raw losses,
+  realised batch sizes: :class:`fedfdp.types.ClientUpdate`'s ``diagnostics``), which reach the
+  logs only (:meth:`fedfdp.Federation.training_step`).
 
 What this does not see: state the clients' half writes outside the algorithm object (a module
 global, the client module, the data module). A Flower deployment runs the halves in separate

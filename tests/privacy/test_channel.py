@@ -184,3 +184,28 @@ def test_the_fingerprint_sees_each_kind_of_change_and_nothing_else():
     before = fingerprint(algorithm)
     del algorithm.tensor
     assert changed_attribute(algorithm, before) == "tensor"
+
+
+class _ReadsDiagnostics(DPFedAvg):
+    """Not listed: the server's half reads a simulation diagnostic (the raw mean training loss)."""
+
+    seen: list[dict] = []
+
+    def aggregate(self, global_params, updates, context):  # noqa: D102
+        type(self).seen.extend(dict(u.diagnostics) for u in updates)
+        return super().aggregate(global_params, updates, context)
+
+
+def test_diagnostics_reach_the_logs_not_the_servers_half():
+    from callbacks import FederationCallback
+
+    class Metrics(FederationCallback):
+        keys: set = set()
+
+        def on_round_end(self, trainer, federation, context, updates, metrics):  # noqa: D102
+            type(self).keys |= set(metrics)
+
+    _ReadsDiagnostics.seen = []
+    run_federation(_ReadsDiagnostics(**DP), [RDPAccounting(), Metrics()], rounds=1)
+    assert _ReadsDiagnostics.seen == [{}, {}, {}]  # three clients, nothing but the releases
+    assert {"client_train_loss", "client_batch_size"} <= Metrics.keys  # the logs still have them
