@@ -16,16 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 from fedfdp.algorithms import DPFedAvg
-from fedfdp.types import ClientData, ClientUpdate, RoundContext
+from fedfdp.types import RoundContext
 
 
 class DecayingDPFedAvg(DPFedAvg):
     """DP-FedAvg with the local learning rate ``lr / (1 + decay · t)`` in round ``t`` (0-based).
 
-    The rate is set in :meth:`local_update`, from the round index every client receives in its
-    :class:`~fedfdp.types.RoundContext`, not in ``configure_round``: ``configure_round`` runs on
-    the server, and in a Flower deployment the local update runs on the nodes, each with its own
-    instance of the algorithm, which would never see a rate the server set on its own instance.
+    The rate comes from :meth:`local_lr`, a function of the round index every client receives in
+    its :class:`~fedfdp.types.RoundContext`. Not from ``configure_round``, which runs on the server
+    (in a Flower deployment the local update runs on the nodes, each with its own instance of the
+    algorithm, which would never see a rate the server set on its own instance); and not by setting
+    ``self.lr`` in ``local_update``: the clients' half may leave nothing on the algorithm that its
+    server's half could read (:mod:`fedfdp.privacy.channel` refuses the upload).
 
     Args:
         decay: the decay rate (``≥ 0``; 0 is DP-FedAvg).
@@ -36,9 +38,8 @@ class DecayingDPFedAvg(DPFedAvg):
         super().__init__(**kwargs)
         if decay < 0:
             raise ValueError(f"algorithm.decay must be >= 0, got {decay}")
-        self.decay, self.base_lr = decay, self.lr
+        self.decay = decay
 
-    def local_update(self, client: Any, data: ClientData, context: RoundContext, generator: Any) -> ClientUpdate:
-        """DP-FedAvg's local update at this round's rate ``η_t``."""
-        self.lr = self.base_lr / (1.0 + self.decay * context.round)
-        return super().local_update(client, data, context, generator)
+    def local_lr(self, context: RoundContext) -> float:
+        """This round's rate ``η_t = η_0 / (1 + decay · t)``."""
+        return self.lr / (1.0 + self.decay * context.round)

@@ -78,15 +78,23 @@ class DPFedAvg(Algorithm):
         """The local model is the output of the DP-SGD steps (kind ``model``)."""
         return {"params": MODEL_RELEASE}
 
+    def local_lr(self, context: RoundContext) -> float:
+        """The local learning rate of this round's steps (``lr``; a schedule overrides this: it reads
+        the round from ``context`` and leaves nothing on the algorithm, :mod:`fedfdp.privacy.channel`)."""
+        return self.lr
+
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
         """``local_steps`` private steps, each on a fresh Poisson batch."""
-        rule = self.clip_rule(context)
-        outputs = [client.training_step(self.private_batch(data, rule, generator)) for _ in range(self.local_steps)]
+        rule, lr = self.clip_rule(context), self.local_lr(context)
+        outputs = [client.training_step(self.private_batch(data, rule, generator, lr))
+                   for _ in range(self.local_steps)]
         return self.client_update(client, data, outputs)
 
-    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
-        """One private step's input: a Poisson batch of rate q drawn from ``generator`` (its next draw).
+    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource,
+                      lr: float | None = None) -> LocalBatch:
+        """One private step's input: a Poisson batch of rate q drawn from ``generator`` (its next draw),
+        stepped at ``lr`` (``self.lr`` when None).
 
         The step's noise ``N(0, (σC)² I)`` is drawn later from the same ``generator``; the divisor
         is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
@@ -95,7 +103,7 @@ class DPFedAvg(Algorithm):
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)
-        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
+        return LocalBatch(x=x, y=y, lr=self.lr if lr is None else lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
                           denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
@@ -132,11 +140,12 @@ class DPFedAvg(Algorithm):
         :meth:`client_update` from its K step outputs.
         """
         rules: dict[int, ClipRule] = {}
+        lr = self.local_lr(context)
 
         def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
             if data.client_id not in rules:
                 rules[data.client_id] = self.clip_rule(context)
-            return self.private_batch(data, rules[data.client_id], generator)
+            return self.private_batch(data, rules[data.client_id], generator, lr)
 
         return StackedStepSpec(
             batch=batch, update=lambda client, data, output: self.client_update(client, data, [output]),
@@ -148,7 +157,8 @@ class DPFedAvg(Algorithm):
         several steps): the client's private batch and fresh clip rule, and :meth:`client_update`."""
         if self.local_steps != 1:
             return None
+        lr = self.local_lr(context)
         return StackedStepSpec(
-            batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator),
+            batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator, lr),
             update=lambda client, data, output: self.client_update(client, data, [output]),
             sample_rate=self.sample_rate)

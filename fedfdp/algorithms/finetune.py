@@ -173,9 +173,10 @@ class DPFedAvgFineTune(DPFedAvg):
 
         return StackedStepSpec(batch=batch, update=update, sample_rate=spec.sample_rate)
 
-    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
+    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource,
+                      lr: float | None = None) -> LocalBatch:
         """DP-FedAvg's private batch at the phase's learning rate."""
-        batch = super().private_batch(data, rule, generator)
+        batch = super().private_batch(data, rule, generator, lr)
         batch.lr = self._step_lr
         return batch
 
