@@ -47,8 +47,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, lightning, opacus; print('torch', torch.__version__, 'lightning', lightning.__version__, 'opacus', opacus.__version__, 'cpus', torch.get_num_threads())"
 start=$(date +%s)
 if [ "$step" = check ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings -n 8 tests/test_gpu.py tests/test_grouped.py \
-    tests/test_sweep.py tests/test_stacked.py tests/privacy/test_mechanism.py 2>&1 | tail -15
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings -n 8 tests/engine/test_gpu.py tests/engine/test_grouped.py \
+    tests/experiments/test_sweep.py tests/engine/test_stacked.py tests/privacy/test_mechanism.py 2>&1 | tail -15
   echo "tests: $(( $(date +%s) - start )) s"
   timeout 240 python3 benchmarks/sweep.py --config configs/fmnist.yaml --runs 8 --rounds 12 --accelerator gpu \
     --out /tmp/bench8 2>&1 | grep -v -E " INFO |^(GPU|TPU|HPU|LOCAL_RANK|💡|\`Trainer)"

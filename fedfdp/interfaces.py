@@ -6,7 +6,7 @@ imports neither ``callbacks`` nor ``datamodules``, and no module of it imports o
 it back. The parts below the federation (the algorithms, the stacked round, the planning) see it
 through :class:`FederationView`; the federation sees its data through :class:`FederatedData`
 (implemented by ``datamodules.FederatedDataModule``) and its callbacks through
-:class:`FederationHooks` (the base of ``callbacks.FederationCallback``). ``tests/test_imports.py``
+:class:`FederationHooks` (the base of ``callbacks.FederationCallback``). ``tests/project/test_imports.py``
 keeps it so.
 """
 

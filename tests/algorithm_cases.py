@@ -3,7 +3,7 @@
 :data:`CASES` maps every registered algorithm to the tiny synthetic config it deploys with:
 ``tests/configs/tiny_dpfedavg.yaml`` with the algorithm, its ``init_args`` and its callbacks
 swapped in (or a tiny config file as it is). A new algorithm needs a case here
-(``tests/test_flower_algorithms.py`` checks it).
+(``tests/flower/test_flower_algorithms.py`` checks it).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Skip ``gpu`` tests without CUDA and ``flower_all`` tests without ``--flower-all-algorithms``;
     deselect the few thousand ``input_fuzz`` tests unless the marker expression names them
-    (``pytest -m input_fuzz tests/test_input_generator.py``): running each only to skip it cost
+    (``pytest -m input_fuzz tests/cli/test_input_generator.py``): running each only to skip it cost
     seconds of every test run."""
     skips = []
     if not torch.cuda.is_available():

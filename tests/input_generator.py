@@ -40,7 +40,7 @@ STR_VALUES = ("", "not-a-choice")
 SEQ_VALUES = ("[]", "[-1]", "abc")
 PATH_VALUES = ("path:missing", "path:directory", "path:unreadable", "path:junk")
 #: parser options the generator leaves alone: help and printing actions, LightningCLI keys that
-#: only accept null (tests/test_bad_input.py), and W&B modes that would go online
+#: only accept null (tests/cli/test_bad_input.py), and W&B modes that would go online
 _SKIPPED = {"help", "print_config", "print_shtab", "optimizer", "lr_scheduler", "params", "model.seed",
             "trainer.logger", "trainer.callbacks", "trainer.plugins", "trainer.profiler", "trainer.strategy",
             "trainer.accelerator", "model.client", "model.algorithm", "model.server_optimizer", "data", "net",
@@ -137,7 +137,7 @@ def _tiny_data(name: str, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         args = {**idx, **clustered} if name.startswith("Clustered") else {**idx, "num_clients": 3, "alpha": 1.0}
         return {"class_path": f"datamodules.{name}", "init_args": args}, _IDX_NET
     if name in ("CIFAR10DataModule", "ClusteredCIFAR10DataModule"):
-        from tests.test_cifar10 import write_batches
+        from tests.datamodules.test_cifar10 import write_batches
 
         if not (tmp / "cifar").exists():
             write_batches(tmp / "cifar")
@@ -150,7 +150,7 @@ def _tiny_data(name: str, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     tcn = {"class_path": "fedfdp.models.TCN", "init_args": {"in_channels": 9, "num_classes": 6, "seq_len": 128,
                                                               "width": 8}}
     if name == "HARDataModule":
-        from tests.test_har import write_uci_har
+        from tests.datamodules.test_har import write_uci_har
 
         if not (tmp / "har").exists():
             write_uci_har(tmp / "har", {"train": [1, 3], "test": [2]})
@@ -280,7 +280,7 @@ def run_options() -> tuple[tuple[str, Any], ...]:
         if hint is None or key in _SKIPPED or key.endswith(".help"):
             continue
         if key.startswith("trainer.") and key[len("trainer."):] in REFUSED_TRAINER_OPTIONS:
-            continue  # refused whatever their value (tests/test_bad_input.py, test_cli.py)
+            continue  # refused whatever their value (tests/cli/test_bad_input.py, test_cli.py)
         options.append((key, hint))
     return tuple(options)
 

@@ -24,7 +24,7 @@ a lent GPU, ``auto`` or ``cpu`` for this project's CPU). ``table``
 comes from the run's top folder (:data:`TABLES`): ``fedfdp-IV``, ``fedfdp-V``, ``fedfdp-VI``,
 ``rcdpfl``, ``finp``, or this project's own studies; ``dataset`` from the data class; ``method``
 from the folder (the harness's method stem and column, or the study's row name); ``seed`` from
-the config. ``tests/test_complete_runs.py`` checks the file against the runs it names.
+the config. ``tests/experiments/test_complete_runs.py`` checks the file against the runs it names.
 
 ``park`` keeps what a session could not finish: every unfinished harness run under ``runs/`` with a
 checkpoint is copied to ``in_progress/<its run directory>`` (its files, logs gzipped, and only

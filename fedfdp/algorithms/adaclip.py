@@ -70,7 +70,7 @@ Privacy. Under add/remove-one neighbours, for every step:
    ``≤ σ² (σ_Δ^{-2} + (2σ_b)^{-2}) = σ² · σ^{-2} = 1``. The pair (A2)+(A3) is therefore, up to a
    public invertible scaling, ``Σ_{j∈B} f(x_j) + N(0, σ² I)`` with ``‖f‖ ≤ 1`` on one Poisson
    sample: exactly one SGM(q, σ). The ledger charges exactly DP-FedAvg's event per step, and the
-   run spends exactly DP-FedAvg's ε at the configured σ (``tests/test_adaclip.py`` checks this).
+   run spends exactly DP-FedAvg's ε at the configured σ (``tests/algorithms/test_adaclip.py`` checks this).
 3. ``count_accounting: separate``: the model keeps ``σ`` and the count is charged as its own
    event SGM(q, 2σ_b) (kind ``clip_count``) per step; by composition ε is strictly larger than
    DP-FedAvg's.

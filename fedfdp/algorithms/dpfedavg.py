@@ -87,14 +87,18 @@ class DPFedAvg(Algorithm):
                      generator: RandomSource) -> ClientUpdate:
         """``local_steps`` private steps, each on a fresh Poisson batch."""
         rule, lr = self.clip_rule(context), self.local_lr(context)
-        outputs = [client.training_step(self.private_batch(data, rule, generator, lr))
+        outputs = [client.training_step(self.at_lr(self.private_batch(data, rule, generator), lr))
                    for _ in range(self.local_steps)]
         return self.client_update(client, data, outputs)
 
-    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource,
-                      lr: float | None = None) -> LocalBatch:
-        """One private step's input: a Poisson batch of rate q drawn from ``generator`` (its next draw),
-        stepped at ``lr`` (``self.lr`` when None).
+    @staticmethod
+    def at_lr(batch: LocalBatch, lr: float) -> LocalBatch:
+        """``batch`` stepped at ``lr`` (the round's :meth:`local_lr`)."""
+        batch.lr = lr
+        return batch
+
+    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
+        """One private step's input: a Poisson batch of rate q drawn from ``generator`` (its next draw).
 
         The step's noise ``N(0, (σC)² I)`` is drawn later from the same ``generator``; the divisor
         is :func:`~fedfdp.privacy.release.batch_denominator` (``normalize_by``).
@@ -103,7 +107,7 @@ class DPFedAvg(Algorithm):
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate,
                                         dataset_size=data.size, realized=int(y.shape[0]),
                                         constant=self.normalize_constant)
-        return LocalBatch(x=x, y=y, lr=self.lr if lr is None else lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
+        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
                           denominator=denominator, generator=generator, sample_rate=self.sample_rate)
 
     def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
@@ -145,7 +149,7 @@ class DPFedAvg(Algorithm):
         def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
             if data.client_id not in rules:
                 rules[data.client_id] = self.clip_rule(context)
-            return self.private_batch(data, rules[data.client_id], generator, lr)
+            return self.at_lr(self.private_batch(data, rules[data.client_id], generator), lr)
 
         return StackedStepSpec(
             batch=batch, update=lambda client, data, output: self.client_update(client, data, [output]),
@@ -159,6 +163,6 @@ class DPFedAvg(Algorithm):
             return None
         lr = self.local_lr(context)
         return StackedStepSpec(
-            batch=lambda data, generator: self.private_batch(data, self.clip_rule(context), generator, lr),
+            batch=lambda data, generator: self.at_lr(self.private_batch(data, self.clip_rule(context), generator), lr),
             update=lambda client, data, output: self.client_update(client, data, [output]),
             sample_rate=self.sample_rate)

@@ -33,12 +33,11 @@ from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
     from fedfdp.interfaces import FederationView
-    from fedfdp.privacy.clipping import ClipRule
 
 __all__ = ["DPFedAvgFineTune"]
 
@@ -84,7 +83,6 @@ class DPFedAvgFineTune(DPFedAvg):
         self.switch_round: int | None = None  # t_s, fixed at the first round
         self.finetune_start: Tensor | None = None  # w̄: the released model at t_s
         self._federation: FederationView | None = None
-        self._step_lr = self.lr
 
     def setup(self, federation: FederationView) -> None:
         """Keep the federation: the switch round needs its planned rounds, the start its released model."""
@@ -139,11 +137,7 @@ class DPFedAvgFineTune(DPFedAvg):
                      generator: RandomSource) -> ClientUpdate:
         """DP-FedAvg's private steps, at ``finetune_lr`` from ``v_i`` when fine-tuning (kept as the new ``v_i``)."""
         finetuning = _finetuning(context)
-        self._step_lr = self.finetune_lr if finetuning else self.lr
-        try:
-            update = super().local_update(client, data, context, generator)
-        finally:
-            self._step_lr = self.lr
+        update = super().local_update(client, data, context, generator)  # at local_lr(context)
         if finetuning:
             self.client_state.set(data.client_id, _MODEL, update.params.detach().clone())
         return update
@@ -157,13 +151,7 @@ class DPFedAvgFineTune(DPFedAvg):
         spec = self.one_step_spec(context)
         if spec is None:
             return None
-        finetuning = _finetuning(context)
-        lr = self.finetune_lr if finetuning else self.lr
-
-        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
-            out = spec.batch(data, generator)
-            out.lr = lr
-            return out
+        finetuning = _finetuning(context)  # the spec's batches are at local_lr(context)
 
         def update(client: ClientModule, data: ClientData, output: StepOutput) -> ClientUpdate:
             result = spec.update(client, data, output)
@@ -171,14 +159,11 @@ class DPFedAvgFineTune(DPFedAvg):
                 self.client_state.set(data.client_id, _MODEL, result.params.detach().clone())
             return result
 
-        return StackedStepSpec(batch=batch, update=update, sample_rate=spec.sample_rate)
+        return StackedStepSpec(batch=spec.batch, update=update, sample_rate=spec.sample_rate)
 
-    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource,
-                      lr: float | None = None) -> LocalBatch:
-        """DP-FedAvg's private batch at the phase's learning rate."""
-        batch = super().private_batch(data, rule, generator, lr)
-        batch.lr = self._step_lr
-        return batch
+    def local_lr(self, context: RoundContext) -> float:
+        """The phase's learning rate: ``finetune_lr`` when fine-tuning, else ``lr``."""
+        return self.finetune_lr if _finetuning(context) else self.lr
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -231,7 +231,7 @@ def rownorm_bound_rows(net: nn.Module) -> tuple[Tensor, LipschitzRows] | None:
     The rows are computed with autograd's operations in autograd's order (log: ``1 / f``;
     clamp_min: kept where ``f ≥ 1e-12``; max: shared evenly by the tied rows; vector norm:
     ``grad · (W / n)``), so ``g + c · grad`` built from them is bitwise the dense sum
-    (``tests/test_finp.py``). None where that cannot be promised and the caller must use autograd:
+    (``tests/algorithms/test_finp.py``). None where that cannot be promised and the caller must use autograd:
     a weight shared by two layers (autograd would add the two gradients) or a non-finite norm.
     """
     total: Tensor | None = None

@@ -8,7 +8,7 @@ the convolution before it. The backward stays PyTorch's NCHW kernel: the indices
 maximum do not depend on the layout, and converting the gradient back from channels-last would
 cost more than it saves. Both forward kernels scan a window in the same order and keep its first
 maximum (a NaN wins), so the output, the gradient and the double backward of a Hessian-vector
-product are bitwise those of ``F.max_pool2d`` (``tests/test_layers.py``). Measured side by side
+product are bitwise those of ``F.max_pool2d`` (``tests/engine/test_layers.py``). Measured side by side
 by ``python benchmarks/pooling.py`` (docs/performance.md).
 
 Written by hand: neither PyTorch nor Lightning picks the faster layout per layer, and turning a

@@ -25,7 +25,7 @@ from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.uploads import POST_PROCESSING, unprotected_fields
 from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate
 from tests.helpers import run_federation, tiny_data
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 

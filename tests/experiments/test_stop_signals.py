@@ -29,7 +29,7 @@ from fedfdp.experiments import stop_signals
 from fedfdp.experiments.stop_signals import HarnessInterrupted
 from fedfdp.fit import main
 from tests.conftest import REPO
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
 

@@ -11,7 +11,7 @@ import pytest
 import fedfdp.algorithms as algorithms
 from fedfdp.algorithms.base import Algorithm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _imported_after(code: str) -> list[str]:

@@ -1,7 +1,7 @@
 """A run with clients left out says so: the record, the status, the report, and what the harnesses make of it.
 
 No process and no training: summaries are written by hand (the deployments that produce them are
-tested in tests/test_flower.py and tests/test_flower_deployment.py).
+tested in tests/flower/test_flower.py and tests/flower/test_flower_deployment.py).
 """
 
 from __future__ import annotations

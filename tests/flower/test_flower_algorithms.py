@@ -6,7 +6,7 @@ each message to the ClientApp as a SuperNode would) equals the simulation: the s
 the same per-client evaluation (personal and cluster models evaluated on the nodes) and the same
 ε per client. Every node restarts before the last round (its ``context.state`` is gone), so the
 last round continues from the state files alone; the rounds before it from ``context.state``.
-Over real processes (``tests/test_flower_deployment.py``, ``flower`` marker): FedFDP, DP-SCAFFOLD and DP-Ditto
+Over real processes (``tests/flower/test_flower_deployment.py``, ``flower`` marker): FedFDP, DP-SCAFFOLD and DP-Ditto
 in every test run, every algorithm with ``pytest --flower-all-algorithms -m flower``.
 """
 

@@ -3,8 +3,8 @@
 Fast tests (no Flower process): the client's ledger and refusal, the node settings, what cannot be
 deployed, the message encoding, and the server strategy end to end over an in-process grid that
 hands each message to the ClientApp in this process (every algorithm over that grid:
-``tests/test_flower_algorithms.py``; over real SuperLink and SuperNode processes:
-``tests/test_flower_deployment.py``).
+``tests/flower/test_flower_algorithms.py``; over real SuperLink and SuperNode processes:
+``tests/flower/test_flower_deployment.py``).
 """
 
 from __future__ import annotations

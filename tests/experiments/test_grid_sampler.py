@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from fedfdp.experiments.grid_sampler import grid_trials_to_ask
 from fedfdp.experiments.search_space import grid_size, grid_space, sample_overrides
 from fedfdp.experiments.tune import _sampler
-from tests.test_tune import GRID, _tune
+from tests.experiments.test_tune import GRID, _tune
 
 
 LR_GRID = {"model.algorithm.init_args.lr": {"type": "categorical", "choices": [0.025, 0.05, 0.1, 0.2, 0.4]}}

@@ -87,7 +87,7 @@ def test_a_sweep_on_cuda_equals_its_runs_alone(tmp_path):
     from fedfdp.experiments.__main__ import main as experiments
     from fedfdp.fit import main as fit
 
-    config = str(Path(__file__).parent / "configs" / "tiny_fedfdp.yaml")
+    config = str(Path(__file__).parents[1] / "configs" / "tiny_fedfdp.yaml")
     extra = ["--trainer.accelerator", "gpu", "--model.num_rounds", "4"]
     assert experiments(["sweep", "--config", config, "--seeds", "0", "1", "2", "--out", str(tmp_path / "sweep"),
                         "--fit-args", *extra]) == 0

@@ -54,7 +54,7 @@ def federation(tmp_path_factory):
 #: in every test run: FedFDP (DP-FedAvg plus the loss release), SCAFFOLD's server and client state,
 #: Ditto's personal models; with ``--flower-all-algorithms`` every algorithm's tiny config too
 #: (tests/algorithm_cases.py; every algorithm runs over the in-process grid in every test run:
-#: tests/test_flower_algorithms.py)
+#: tests/flower/test_flower_algorithms.py)
 #: FinP's curvature step (power iterations of Hessian-vector products, on the node) amplifies float32
 #: rounding differences between the node's process and the simulation's: measured 6.3e-6 relative
 #: over real processes (its evaluation equal, its loss within 2e-8); the in-process grid holds 1e-6

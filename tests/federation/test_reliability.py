@@ -20,7 +20,7 @@ from fedfdp.report import main as report_main
 from fedfdp.seeding import SecureGenerator
 from tests.conftest import REPO
 from tests.helpers import flat, run_federation
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
 DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedfdp.fit import main
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 from tests.idx_files import write_dataset
 
 ALG = "--model.algorithm.init_args."
@@ -48,7 +48,7 @@ def _config(tmp: Path, name: str, text: str) -> list[str]:
 
 def _har_with_nan(tmp: Path) -> list[str]:
     """UCI HAR files in which one reading of one window is ``nan``."""
-    from tests.test_har import write_uci_har
+    from tests.datamodules.test_har import write_uci_har
 
     write_uci_har(tmp, {"train": [1, 3], "test": [2]})
     signal = tmp / "UCI HAR Dataset" / "train" / "Inertial Signals" / "body_acc_y_train.txt"

@@ -25,7 +25,7 @@ from fedfdp.cli.parser import build_cli
 from fedfdp.fit import main
 from fedfdp.report import read_series
 from tests.conftest import REPO
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 ALG = "--model.algorithm.init_args."
 

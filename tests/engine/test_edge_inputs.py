@@ -19,7 +19,7 @@ from fedfdp.algorithms import DPFedAvg, FedAvg, FedFDP
 from fedfdp.fit import main
 from fedfdp.models import MLP
 from tests.helpers import run_federation, tiny_data
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 DP = {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 ALGORITHMS = {

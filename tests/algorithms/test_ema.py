@@ -14,7 +14,7 @@ from fedfdp.algorithms import FedFDP
 from fedfdp.errors import ConfigError
 from fedfdp.fit import main
 from tests.helpers import flat, run_federation, tiny_data
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 
 class GlobalWeights(FederationCallback):

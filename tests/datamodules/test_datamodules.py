@@ -20,7 +20,7 @@ from datamodules.idx import IDX_DATASETS
 from fedfdp.errors import ConfigError, DataError
 from tests.idx_files import N_TEST, N_TRAIN, make_dm, write_dataset
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 # --------------------------------------------------------------------------- datamodule

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from datamodules.partition import dirichlet_partition, iid_partition, train_test_split_indices
 from fedfdp.errors import ConfigError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def balanced_labels(num_classes: int = 10, per_class: int = 500, seed: int = 0) -> np.ndarray:

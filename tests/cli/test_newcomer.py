@@ -1,6 +1,6 @@
 """A newcomer's first runs: data found from anywhere, one clear line per mistake, tidy output.
 
-Bad command-line inputs are rows of :data:`tests.test_bad_input.CASES`; this file holds what
+Bad command-line inputs are rows of :data:`tests.cli.test_bad_input.CASES`; this file holds what
 does not fit that table (data search, timing, output files, the other commands).
 """
 
@@ -22,7 +22,7 @@ from datamodules.idx import FILE_NAMES, find_idx_files, read_idx
 from fedfdp.errors import ConfigError, DataError
 from fedfdp.fit import main
 from tests.conftest import REPO, SHARED_DATA
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 from tests.idx_files import idx_bytes
 
 FMNIST_CONFIG = REPO / "configs" / "fmnist.yaml"
@@ -150,7 +150,7 @@ def test_nan_in_float_idx_file_is_caught_at_load_naming_the_file(tmp_path):
 
 
 def test_nan_in_har_text_file_is_caught_at_load_naming_the_file(tmp_path):
-    from tests.test_bad_input import _har_with_nan
+    from tests.cli.test_bad_input import _har_with_nan
 
     _har_with_nan(tmp_path)
     with pytest.raises(DataError, match=r"body_acc_y_train\.txt: NaN or Inf in 1 row \(first: row 3"):

@@ -12,7 +12,7 @@ to a boundary or malformed value, and must end in one of the documented ways:
   makes training diverge, e.g. a learning rate of 1e30, is caught as divergence).
 
 Never exit 1, never a traceback. :func:`tests.input_generator.default_sample` runs by default;
-the full set (a few thousand cases) runs with ``pytest -m input_fuzz tests/test_input_generator.py``.
+the full set (a few thousand cases) runs with ``pytest -m input_fuzz tests/cli/test_input_generator.py``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_generated_input_sample(case: Case, tmp_path: Path) -> None:
 @pytest.mark.input_fuzz
 @pytest.mark.parametrize("case", REST, ids=[c.id for c in REST])
 def test_generated_input_full(case: Case, tmp_path: Path) -> None:
-    """The rest of the generated set: ``pytest -m input_fuzz tests/test_input_generator.py``."""
+    """The rest of the generated set: ``pytest -m input_fuzz tests/cli/test_input_generator.py``."""
     _check(case, tmp_path)
 
 

@@ -100,7 +100,7 @@ def test_dp_local_only_epsilon_and_rounds_are_dp_fedavgs():
 def test_privacy_flags():
     assert DPLocalOnly.evaluated_models_covered is True
     assert not LocalOnly.supports_distributed and not DPLocalOnly.supports_distributed
-    # one private step from each client's own model: stacked through the grouped network (tests/test_stacked.py)
+    # one private step from each client's own model: stacked through the grouped network (tests/engine/test_stacked.py)
     assert DPLocalOnly(**DP).stackable_step(RoundContext(0)) is not None
     assert DPLocalOnly(**{**DP, "local_steps": 2}).stackable_step(RoundContext(0)) is None
 

@@ -335,7 +335,7 @@ def test_round_metrics_cover_every_client():
 @pytest.mark.slow
 def test_a_tiny_run_from_the_command_line_logs_the_bounds_and_charges_the_ledger(tmp_path):
     """``python -m fedfdp.fit --config tests/configs/tiny_adaclip.yaml`` (its ``main``, in process: the
-    module entry point itself is covered by tests/test_cli.py)."""
+    module entry point itself is covered by tests/cli/test_cli.py)."""
     run_dir = tmp_path / "run"
     assert main(["--config", TINY, "--run_dir", str(run_dir), "--wandb", "disabled"]) == 0
     with (run_dir / "metrics.csv").open(newline="") as f:

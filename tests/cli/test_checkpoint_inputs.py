@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedfdp.fit import main
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from fedfdp.privacy.accounting import DPEvent, PrivacyLedger, epsilon_of, uncove
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
 from tests.conftest import REPO
 from tests.helpers import tiny_client, tiny_data
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
 DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)

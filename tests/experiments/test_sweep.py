@@ -19,7 +19,7 @@ from lightning.pytorch import Callback
 from fedfdp.experiments.__main__ import main as experiments
 from fedfdp.fit import main as fit
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).parents[1] / "configs"
 ALG = "--model.algorithm.init_args."
 
 
@@ -129,7 +129,7 @@ def test_a_killed_sweep_resumes_every_run(tmp_path):
     config = str(CONFIGS / "tiny_fedfdp.yaml")
     rounds = ["--model.num_rounds", "5"]
     out = tmp_path / "sweep"
-    stop = ["--trainer.callbacks+=tests.test_sweep.SignalAtRound", "--trainer.callbacks.at=2"]
+    stop = ["--trainer.callbacks+=tests.experiments.test_sweep.SignalAtRound", "--trainer.callbacks.at=2"]
     SignalAtRound.sent = False
     code = experiments(["sweep", "--config", config, "--seeds", "0", "1", "--out", str(out), "--fit-args", *rounds,
                         *stop])

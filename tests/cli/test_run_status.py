@@ -27,7 +27,7 @@ from lightning.pytorch import Trainer
 from fedfdp.cli.trainer_options import REFUSED_TRAINER_OPTIONS
 from fedfdp.fit import main
 from tests.conftest import REPO
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 
 def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:

@@ -20,7 +20,7 @@ from fedfdp.rundir import HARMLESS
 from fedfdp.interfaces import is_instance_of
 from tests.conftest import REPO
 
-#: fit configs (configs/search_spaces/ holds search spaces of `fedfdp.experiments tune`: tests/test_tune.py)
+#: fit configs (configs/search_spaces/ holds search spaces of `fedfdp.experiments tune`: tests/experiments/test_tune.py)
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "search_spaces" not in p.parts)
 MAIN_CONFIG = REPO / "configs" / "fmnist.yaml"
 

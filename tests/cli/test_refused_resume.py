@@ -20,7 +20,7 @@ from fedfdp.experiments.runner import Runner, RunSpec, last_error_line
 from fedfdp.fit import main
 from fedfdp.runlock import RunLock
 from tests.helpers import dir_state
-from tests.test_cli import TINY
+from tests.cli.test_cli import TINY
 
 ALG = "--model.algorithm.init_args."
 
