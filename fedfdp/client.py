@@ -32,7 +32,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
-from fedfdp.algorithms.client_state import ClientStateStore
+from fedfdp.client_state import ClientStateStore
 from fedfdp.errors import ConfigError, require
 from fedfdp.privacy.mechanism import current_trace, stamp_model
 from fedfdp.privacy.per_sample import make_engine

@@ -118,7 +118,7 @@ class FederationClientWork:
         message = (f"round {self.current_round + 1}: the clients' half of model.algorithm "
                    f"{type(self.algorithm).__name__} (local_update) changed its attribute {name!r}, which its "
                    f"server's half could read unreleased; keep per-client state in a "
-                   f"fedfdp.algorithms.client_state.ClientStateStore and send the server only the upload; client "
+                   f"fedfdp.client_state.ClientStateStore and send the server only the upload; client "
                    f"{update.client_id}'s upload was not released")
         if not accountant.allow_non_private:
             raise PrivacyError(message)

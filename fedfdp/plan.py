@@ -30,6 +30,7 @@ import torch
 
 from fedfdp.errors import ConfigError
 from fedfdp.interfaces import FederationHooks, is_instance_of
+from fedfdp.privacy.planning import MAX_ROUNDS  # the planner's bound, named here for the checks
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_ROUNDS", "check_distributed", "check_expected_batches", "check_model_fits_data",
            "check_required_callbacks", "check_round_count"]
-
-MAX_ROUNDS = 10**6
-"""The most rounds a run may plan (a few days at a tenth of a second per round)."""
 
 
 def check_round_count(total_rounds: int, num_rounds: int | None, budget_rounds: int | None) -> None:

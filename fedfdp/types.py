@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
-from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.clipping import ClipRule
+from fedfdp.errors import ConfigError
 from fedfdp.seeding import RandomSource
 
 MODEL_RELEASE = "model"
@@ -18,6 +19,48 @@ LOSS_RELEASE = "loss"
 """Kind of a DP event that privatises a reported loss (FedFDP Theorem 2's second mechanism)."""
 LABEL_HISTOGRAM_RELEASE = "label_histogram"
 """Kind of a DP event that privatises a client's label counts (released once, before training)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPEvent:
+    """``steps`` repetitions of one SGM with noise multiplier σ and Poisson rate q.
+
+    A DP-SGD step is ``DPEvent(noise_multiplier=σ, sample_rate=q)``; an unsampled Gaussian
+    release (e.g. a noisy loss over the whole local set) has ``sample_rate=1.0``.
+
+    Raises:
+        ConfigError: σ not finite and > 0, q not in (0, 1], or steps not an integer ≥ 0.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        s, q, n = self.noise_multiplier, self.sample_rate, self.steps
+        if not _is_real(s) or not (math.isfinite(s) and s > 0):
+            raise ConfigError(f"DPEvent.noise_multiplier must be a finite number > 0, got {s!r}")
+        if not _is_real(q) or not 0 < q <= 1:
+            raise ConfigError(f"DPEvent.sample_rate must be in (0, 1], got {q!r}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigError(f"DPEvent.steps must be an integer >= 0, got {n!r}")
+
+    def repeated(self, times: int) -> DPEvent:
+        """The same mechanism run ``times`` as often (``steps · times``)."""
+        return DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+                       steps=self.steps * times)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class ClipRule(Protocol):
+    """Maps per-sample losses ``ℓ_j`` and gradient norms ``‖g_j‖`` to clip factors ``s_j``."""
+
+    max_grad_norm: float
+
+    def __call__(self, losses: Tensor, norms: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)

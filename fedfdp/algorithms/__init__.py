@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the names, for type checkers and IDEs; at run time they com
     from fedfdp.algorithms.alidpfl import ALIDPFL
     from fedfdp.algorithms.base import Algorithm
     from fedfdp.algorithms.cdpfl_baselines import LocalDPSGD, OracleCDPFL
-    from fedfdp.algorithms.client_state import ClientStateStore
+    from fedfdp.client_state import ClientStateStore
     from fedfdp.algorithms.clustered import ClusteredDPFL
     from fedfdp.algorithms.ditto import Ditto, DPDitto
     from fedfdp.algorithms.dpfedavg import DPFedAvg
@@ -55,7 +55,7 @@ REGISTRY: dict[str, str] = {
     "DPFinP": "fedfdp.algorithms.finp",
     "FinP": "fedfdp.algorithms.finp",
     "ALIDPFL": "fedfdp.algorithms.alidpfl",
-    "ClientStateStore": "fedfdp.algorithms.client_state",
+    "ClientStateStore": "fedfdp.client_state",
     "DPDitto": "fedfdp.algorithms.ditto",
     "Ditto": "fedfdp.algorithms.ditto",
     "DPLocalOnly": "fedfdp.algorithms.local",

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -31,6 +29,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
 from fedfdp.errors import ConfigError, PrivacyError
+from fedfdp.types import DPEvent  # the event value object lives with the other value objects
 
 logger = logging.getLogger(__name__)
 
@@ -48,40 +47,6 @@ Accountant = Literal["rdp", "prv"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")
 #: ε accuracy of the PRV accountant; its reported ε is the upper end of its error bracket.
 PRV_EPS_ERROR = 0.01
-
-
-@dataclass(frozen=True, kw_only=True)
-class DPEvent:
-    """``steps`` repetitions of one SGM with noise multiplier σ and Poisson rate q.
-
-    A DP-SGD step is ``DPEvent(noise_multiplier=σ, sample_rate=q)``; an unsampled Gaussian
-    release (e.g. a noisy loss over the whole local set) has ``sample_rate=1.0``.
-
-    Raises:
-        ConfigError: σ not finite and > 0, q not in (0, 1], or steps not an integer ≥ 0.
-    """
-
-    noise_multiplier: float
-    sample_rate: float
-    steps: int = 1
-
-    def __post_init__(self) -> None:
-        s, q, n = self.noise_multiplier, self.sample_rate, self.steps
-        if not _is_real(s) or not (math.isfinite(s) and s > 0):
-            raise ConfigError(f"DPEvent.noise_multiplier must be a finite number > 0, got {s!r}")
-        if not _is_real(q) or not 0 < q <= 1:
-            raise ConfigError(f"DPEvent.sample_rate must be in (0, 1], got {q!r}")
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise ConfigError(f"DPEvent.steps must be an integer >= 0, got {n!r}")
-
-    def repeated(self, times: int) -> DPEvent:
-        """The same mechanism run ``times`` as often (``steps · times``)."""
-        return DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
-                       steps=self.steps * times)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_orders(orders: Sequence[float]) -> tuple[float, ...]:

@@ -12,7 +12,7 @@ its receipts). Two checks keep the halves apart, as a deployment's processes are
   fingerprint before its clients' half runs and compares it after; an attribute the clients'
   half wrote (set, replaced, or changed in place: a tensor's in-place version, an array's bytes,
   a list, dict or nested object of fedfdp's) refuses the round before anything is aggregated.
-  Per-client state belongs in a :class:`fedfdp.algorithms.client_state.ClientStateStore`, which
+  Per-client state belongs in a :class:`fedfdp.client_state.ClientStateStore`, which
   the fingerprint leaves out because of the second check;
 * :func:`server_half`: while the server's half runs, a read of a client-state store raises
   (:func:`check_client_state_read`): what a client keeps stays on the client;

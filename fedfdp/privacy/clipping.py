@@ -7,23 +7,20 @@ calibrated to), except for the DP-invalid ``paper_raw`` mode kept for analysis.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+from fedfdp.types import ClipRule  # the protocol lives with the value objects that carry a rule
+
+__all__ = ["FAIR_CLIP_MODES", "NORM_EPS", "ClipRule", "FairClip", "FairClipMode", "FlatClip", "fair_clip_factors",
+           "fairness_coefficients", "flat_clip_factors"]
 
 FairClipMode = Literal["symmetric", "code", "nonneg", "paper_raw"]
 FAIR_CLIP_MODES: tuple[str, ...] = ("symmetric", "code", "nonneg", "paper_raw")
 NORM_EPS = 1e-12
 """Guard for ``C / ‖g‖`` when ``‖g‖ = 0`` (then ``s_j g_j = 0`` whatever ``s_j``; spec §1.3)."""
-
-
-class ClipRule(Protocol):
-    """Maps per-sample losses ``ℓ_j`` and gradient norms ``‖g_j‖`` to clip factors ``s_j``."""
-
-    max_grad_norm: float
-
-    def __call__(self, losses: Tensor, norms: Tensor) -> Tensor: ...
 
 
 def flat_clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:

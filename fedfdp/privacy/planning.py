@@ -19,7 +19,10 @@ from fedfdp.privacy.accounting import (PAPER_ORDERS, Accountant, DPEvent, _check
                                        _check_orders, _epsilon_from_rdp, epsilon_of, merged_rdp, prv_epsilon,
                                        rdp_of)
 
-__all__ = ["affordable_rounds", "max_rounds"]
+__all__ = ["MAX_ROUNDS", "affordable_rounds", "max_rounds"]
+
+MAX_ROUNDS = 10**6
+"""The most rounds a run may plan (a few days at a tenth of a second per round)."""
 
 #: Start of the authors' bisection bracket over steps, and its ε tolerance (``get_max_steps``).
 _CODE_STEPS_HIGH = 100_000

@@ -11,7 +11,6 @@ The stateful pieces (per-client loss bounds, accountants) live in callbacks.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch

@@ -30,11 +30,10 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
-from fedfdp.plan import MAX_ROUNDS
 from fedfdp.privacy.accountant import PlannedEvents
 from fedfdp.privacy.accounting import ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent
 from fedfdp.privacy.ledger import AccountingMode, RunLedger
-from fedfdp.privacy.planning import affordable_rounds
+from fedfdp.privacy.planning import MAX_ROUNDS, affordable_rounds
 from fedfdp.privacy.uploads import unprotected_declarations, unprotected_fields
 from fedfdp.privacy.validation import DPRelease, check_releases, sample_mixing_layers
 

@@ -24,13 +24,18 @@ declares nothing is not DP.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import ClientUpdate
 
-if TYPE_CHECKING:
-    from fedfdp.interfaces import FederationView
+
+class _Declaring(Protocol):
+    """What :func:`declared_upload_privacy` reads of a federation (:class:`fedfdp.interfaces.FederationView`)."""
+
+    algorithm: Any
+
+    def federation_callbacks(self) -> list[Any]: ...
 
 __all__ = ["POST_PROCESSING", "declared_upload_privacy", "unprotected_declarations", "unprotected_fields",
            "upload_fields"]
@@ -57,7 +62,7 @@ def upload_fields(update: ClientUpdate) -> list[str]:
     return fields
 
 
-def declared_upload_privacy(federation: FederationView) -> dict[str, str | None]:
+def declared_upload_privacy(federation: _Declaring) -> dict[str, str | None]:
     """Every field's declared privacy: the algorithm's, then the callbacks' (a callback that fills a
     field, e.g. a loss reporter, declares it). A field declared twice keeps the weaker claim."""
     declared: dict[str, str | None] = dict(federation.algorithm.upload_privacy())
