@@ -129,7 +129,7 @@ if [ "$step" = finp_cnn ]; then
 fi
 if [ "$step" = rcdpfl_paper ]; then
   wait_s=${2:?usage: gpu_session.sh rcdpfl_paper SECONDS [fmnist_paper|mnist_paper]}
-  dataset=${3:-fmnist_paper}  # MNIST's table is complete on the CPU (docs/results.md)
+  dataset=${3:-fmnist_paper}  # MNIST's table is complete on the CPU (docs/results/index.md)
   tree=runs/rcdpfl_paper; [ "$dataset" = fmnist_paper ] && tree=runs/rcdpfl_paper_fmnist  # as cpu_queue.sh
   # 21 runs of 200 rounds; a round is 21 clients x 71 (MNIST) or 74 (FashionMNIST) DP steps at b = 32 (the
   # first one full batch), run as lockstep engine passes over the 21 clients on the GPU (11 to 24 s a round on the CPU)

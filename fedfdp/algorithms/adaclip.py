@@ -46,7 +46,7 @@ Design choices.
   damped, a badly served client's are not. A bound per client, adapted from the client's own
   counts after each of its steps (A4), normalises every client to its own median norm and so
   removes the cross-client weighting; it is kept as an option (and was measured,
-  docs/results.md). Either way, the bounds are post-processing of released counts; the server
+  docs/results/index.md). Either way, the bounds are post-processing of released counts; the server
   updates them from the gathered uploads (so several processes, :mod:`fedfdp.distributed`, hold
   the same bounds), keeps them in :meth:`state_dict` (a checkpoint resumes them exactly) and
   broadcasts them with each round in the :class:`~fedfdp.types.RoundContext`, as FedFDP

@@ -2,7 +2,7 @@
 
 FedFDP's fair factor ``min(1 + λΔ_j, C/‖g_j‖)`` acts inside each client's DP-SGD step and is
 masked by the clip bound whenever per-sample gradients are larger than ``C/(1 + λΔ_j)``, which
-at the paper's ``C = 0.1`` is every sample (docs/results.md). This module moves the fairness
+at the paper's ``C = 0.1`` is every sample (docs/results/index.md). This module moves the fairness
 pressure to the server: each client's model is weighted by its *released* noisy loss ``F̃_i``
 (the :class:`callbacks.NoisyLossReporting` upload that FedFDP already makes every round).
 

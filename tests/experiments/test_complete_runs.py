@@ -1,5 +1,5 @@
 """The committed complete runs (docs/complete_runs): each run's ε follows from its own privacy
-ledger and stays within its target, and docs/results.md's tables are what the tabulate script
+ledger and stays within its target, and the tables of docs/results/ are what the tabulate script
 prints from those files (the docs cannot drift from the data)."""
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ from tests.conftest import REPO
 from tests.helpers import complete_runs_index
 
 RUNS = sorted((REPO / "docs" / "complete_runs").glob("*/*/seed*/summary.json"))
-RESULTS = REPO / "docs" / "results.md"
+RESULTS_DIR = REPO / "docs" / "results"
+
+
+class _Pages:
+    """The results pages (docs/results/*.md) read as one text."""
+
+    def read_text(self) -> str:
+        return "\n".join(page.read_text() for page in sorted(RESULTS_DIR.glob("*.md")))
+
+
+RESULTS = _Pages()
 
 
 def _ledger(run_dir):
@@ -53,7 +63,7 @@ def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeyp
     text = RESULTS.read_text()
     commands = [line.strip().rstrip("\\").strip() for line in text.splitlines()
                 if line.strip().startswith("python docs/complete_runs/tabulate.py")]
-    assert commands, "docs/results.md shows no tabulate command"
+    assert commands, "docs/results/ shows no tabulate command"
     monkeypatch.chdir(REPO)
     main = runpy.run_path(str(REPO / "docs" / "complete_runs" / "tabulate.py"))["main"]
     for n, command in enumerate(commands):
@@ -67,7 +77,7 @@ def test_results_tables_are_what_tabulate_prints_from_the_committed_runs(monkeyp
         assert rows
         for row in rows:
             label, cells = row.split(" | ", 1)
-            assert cells in text, f"docs/results.md does not show tabulate's row for {label}"
+            assert cells in text, f"docs/results/ does not show tabulate's row for {label}"
         if "--plot" in argv:
             assert (tmp_path / f"plot{n}.png").stat().st_size > 10_000
 
@@ -258,7 +268,7 @@ def _results_row(prefix: str) -> list[str]:
 
 @pytest.mark.parametrize("best_path", RCDPFL_LR, ids=lambda p: p.parent.name)
 def test_the_rcdpfl_lr_grid_ran_every_point_and_results_show_what_it_found(best_path, tmp_path):
-    """docs/results.md's "both tuned on one plain lr grid": each committed study ran every lr of the
+    """docs/results/rcdpfl.md's "both tuned on one plain lr grid": each committed study ran every lr of the
     grid once, its chosen lr is its best trial, the validation row shows the study's values, and
     the test row is the chosen lr's rcdpfl-table output (test_at_chosen_lr.md)."""
     from optuna.trial import TrialState

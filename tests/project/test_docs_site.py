@@ -27,7 +27,7 @@ import pytest
 from tests.conftest import REPO
 
 README = REPO / "README.md"
-PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "results").glob("*.md"))]
 MAIN_JOB = "python -m fedfdp.fit --config configs/fmnist.yaml"
 
 _SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.M | re.S)
@@ -55,11 +55,14 @@ def _shell_commands(page: Path, tmp_path: Path) -> list[list[str]]:
     """Every ``python -m fedfdp...`` command that the ``bash`` blocks of ``page`` run, expanded by bash."""
     bash = shutil.which("bash")
     assert bash, "bash is needed to expand the documented commands"
-    record = tmp_path / f"{page.stem}.commands"
+    # docs/rcdpfl.md and docs/results/rcdpfl.md get two names
+    name = "-".join(page.resolve().relative_to(REPO).with_suffix("").parts) if page.resolve().is_relative_to(REPO) \
+        else page.stem
+    record = tmp_path / f"{name}.commands"
     commands: list[list[str]] = []
     for n, block in enumerate(_SHELL_BLOCK.findall(page.read_text())):
         record.write_bytes(b"")
-        work = tmp_path / f"{page.stem}-{n}"
+        work = tmp_path / f"{name}-{n}"
         work.mkdir()
         done = subprocess.run([bash, "--noprofile", "--norc", "-c", _RECORDER + block], cwd=work, capture_output=True,
                               text=True, timeout=60,
