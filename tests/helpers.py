@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
-from callbacks import FederationCallback
+from callbacks import FederationCallback, RDPAccounting
 from datamodules import SyntheticDataModule
 from fedfdp import ClientModule, Federation
 from fedfdp.privacy.per_sample import per_sample_cross_entropy
@@ -27,6 +27,18 @@ class TinyConvNet(nn.Module):
         x = torch.relu(self.conv1(x))
         x = torch.relu(self.conv2(x))
         return self.fc(x.flatten(1))
+
+
+class RecordingAccountant(RDPAccounting):
+    """The accountant, recording which clients' releases reached the ledger (``charged``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.charged: list[int] = []
+
+    def on_client_release(self, trainer: Trainer, federation: Federation, update: Any) -> None:  # noqa: D102
+        super().on_client_release(trainer, federation, update)
+        self.charged.append(update.client_id)
 
 
 def tiny_data(num_clients: int = 3, num_samples: int = 300, seed: int = 0, **kwargs: Any) -> SyntheticDataModule:

@@ -20,19 +20,11 @@ from callbacks import RDPAccounting
 from fedfdp.algorithms import DPFedAvg, DPScaffold
 from fedfdp.errors import PrivacyError
 from fedfdp.privacy.channel import changed_attribute, fingerprint
-from tests.helpers import run_federation
+from tests.helpers import RecordingAccountant as _Recorder, run_federation
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 
 
-class _Recorder(RDPAccounting):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.charged: list[int] = []
-
-    def on_client_release(self, trainer, federation, update):  # noqa: D102
-        super().on_client_release(trainer, federation, update)
-        self.charged.append(update.client_id)
 
 
 class _StashedMean(DPFedAvg):

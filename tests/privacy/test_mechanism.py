@@ -25,21 +25,11 @@ from fedfdp.privacy.mechanism import MechanismCall, joint_calls, tracing, unmatc
 from fedfdp.privacy.release import gaussian_sum_release
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import MODEL_RELEASE, LocalBatch, StackedStepSpec
-from tests.helpers import run_federation
+from tests.helpers import RecordingAccountant as _Recorder, run_federation
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 
 
-class _Recorder(RDPAccounting):
-    """The accountant, recording which clients' releases reached the ledger."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.charged: list[int] = []
-
-    def on_client_release(self, trainer, federation, update):  # noqa: D102
-        super().on_client_release(trainer, federation, update)
-        self.charged.append(update.client_id)
 
 
 # ---- subclasses that bypass the mechanism, one per hook -----------------------------------------------
