@@ -22,9 +22,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fedfdp.cli.errors import OneLineErrorParser
 from fedfdp.participation import coverage_note, has_missing_clients
-from fedfdp.rundir import PLOTS_DIR, SUMMARY_NAME, RunPaths
+from fedfdp.rundir import PLOTS_DIR, SUMMARY_NAME, RunPaths, differing_settings
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +255,8 @@ def _best_covered(summary: dict[str, Any]) -> str:
 
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
-    """One plot per metric with one line per run, plus a markdown table of final values."""
+    """One plot per metric with one line per run, plus a markdown table of final values, the settings
+    in which the runs' configs differ, and the ε target on the ε plot when the runs share one."""
     summaries = {d: _summary(d) for d in run_dirs}
     out.mkdir(parents=True, exist_ok=True)
     runs = {_label(d, run_dirs): (read_series(d, summaries[d]), summaries[d]) for d in run_dirs}
@@ -264,15 +267,44 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
         rounds = f"{s['rounds_run']} (clients left out)" if has_missing_clients(s) else s["rounds_run"]
         lines.append(f"| {label} | {s['algorithm']} | {rounds} | {f['accuracy']:.4f} | {f['psi_paper']:.4g} "
                      f"| {f['accuracy_worst']:.4f} | {_fmt(s.get('epsilon'))} |")
-    lines.append("")
+    lines += ["", *_settings_section(run_dirs, list(runs)), *_identical_note(runs)]
+    targets = {s.get("target_epsilon") for _, s in runs.values()}
+    target = next(iter(targets)) if len(targets) == 1 else None
     for key, (title, ylabel, log) in SERIES.items():
         series = {label: m[key] for label, (m, _) in runs.items() if key in m}
         if series:
-            _line_plot(out / f"{key}.png", title, ylabel, series, log)
+            hline = (target, f"target ε = {target}") if key == "epsilon" and target else None
+            _line_plot(out / f"{key}.png", title, ylabel, series, log, hline=hline)
             lines += [f"## {title}", "", f"![{title}]({key}.png)", ""]
     report = out / "comparison.md"
     report.write_text("\n".join(lines))
     return report
+
+
+def _settings_section(run_dirs: list[Path], labels: list[str]) -> list[str]:
+    """The settings in which the runs' saved configs differ (``config.yaml``), as a table."""
+    configs = []
+    for run_dir in run_dirs:
+        path = RunPaths(run_dir).config
+        if not path.is_file():
+            return ["The runs' settings cannot be compared: " + f"{path} is missing.", ""]
+        configs.append(yaml.safe_load(path.read_text()) or {})
+    differing = differing_settings(configs)
+    if not differing:
+        return ["The runs' configs are identical (but for where each run is and how it is shown).", ""]
+    out = ["## Settings that differ", "", "| setting | " + " | ".join(labels) + " |",
+           "|---|" + "---|" * len(labels)]
+    out += [f"| `{path}` | " + " | ".join(_fmt(v) for v in values) + " |" for path, values in differing]
+    return [*out, ""]
+
+
+def _identical_note(runs: dict[str, tuple[dict[str, list[tuple[int, float]]], dict[str, Any]]]) -> list[str]:
+    """A warning when every run's accuracy curve is the same: a changed setting that changed nothing."""
+    curves = [m.get("accuracy") for m, _ in runs.values()]
+    if len(curves) > 1 and curves[0] and all(c == curves[0] for c in curves[1:]):
+        return ["**The runs' accuracy curves are identical**: the settings above did not change what was "
+                "trained (e.g. the fairness weight λ at a clip bound that every sample exceeds).", ""]
+    return []
 
 
 def _label(run_dir: Path, all_dirs: list[Path]) -> str:

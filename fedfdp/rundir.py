@@ -208,6 +208,15 @@ def config_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
+def differing_settings(configs: list[dict[str, Any]]) -> list[tuple[str, list[Any]]]:
+    """The settings in which resolved configs differ: ``(dotted path, [value in each config])``, paths
+    under :data:`HARMLESS` left out (where a run is and how it is shown), a key missing as null."""
+    flats = [dict(_flatten(config)) for config in configs]
+    paths = sorted(set().union(*flats), key=lambda p: (p.count("."), p)) if flats else []
+    return [(path, values) for path in paths if not _harmless(path)
+            for values in [[flat.get(path) for flat in flats]] if any(v != values[0] for v in values)]
+
+
 def check_resume(run_dir: Path, saved: dict[str, Any], new: dict[str, Any]) -> None:
     """Raise :class:`ConfigError` (one line) if resuming ``run_dir`` with ``new`` changes the run."""
     diffs = config_differences(saved, new)

@@ -45,3 +45,18 @@ def test_run_paths_are_the_names_in_the_run_directory(tmp_path):
     (tmp_path / "privacy_ledger.jsonl").write_text("")
     (tmp_path / "privacy_ledger.rank1.jsonl").write_text("")
     assert [p.name for p in paths.ledger_files()] == ["privacy_ledger.jsonl", "privacy_ledger.rank1.jsonl"]
+
+
+def test_differing_settings_names_each_changed_leaf_and_leaves_out_where_a_run_is():
+    from fedfdp.rundir import differing_settings
+
+    a = {"run_dir": "runs/a", "seed_everything": 0, "model": {"algorithm": {"init_args": {"lr": 1.0, "mu": 0.1}}},
+         "trainer": {"callbacks": [{"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 3.52}}]}}
+    b = {"run_dir": "runs/b", "seed_everything": 0, "model": {"algorithm": {"init_args": {"lr": 0.5}}},
+         "trainer": {"callbacks": [{"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 2.0}}]}}
+    assert differing_settings([a, b]) == [
+        ("model.algorithm.init_args.lr", [1.0, 0.5]),
+        ("model.algorithm.init_args.mu", [0.1, None]),
+        ("trainer.callbacks[0].init_args.target_epsilon", [3.52, 2.0]),
+    ]
+    assert differing_settings([a, dict(a, run_dir="elsewhere")]) == []

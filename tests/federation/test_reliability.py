@@ -119,6 +119,10 @@ def test_report_and_comparison_are_written(tmp_path):
         assert (run_dir / "plots" / "clients.png").stat().st_size > 1000
         assert (run_dir / "plots" / "clip_factors.png").exists()
     assert report_main([str(r) for r in runs] + ["--out", str(tmp_path / "cmp")]) == 0
-    assert "| a |" in (tmp_path / "cmp" / "comparison.md").read_text()
+    comparison = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "| a |" in comparison
+    # the comparison names what differs (and nothing else: the run directories are not settings)
+    assert "| `model.algorithm.init_args.fairness_weight` | 0 | 1 |" in comparison, comparison
+    assert comparison.count("| `") == 1
     assert (tmp_path / "cmp" / "accuracy.png").exists()
     assert report_main([str(tmp_path / "nothing")]) == 2
