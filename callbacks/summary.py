@@ -228,7 +228,7 @@ class RunSummary(FederationCallback):
             logger.warning("run %s, but with clients left out: status %s (summary.json: missing_clients, "
                            "evaluated_clients)", status, self.last_status)
         logger.info("summary written to %s (status %s)", path, self.last_status)
-        if self.report and self._last_result is not None:
+        if self.report:  # a run stopped before its first evaluation gets its training metrics and privacy
             from fedfdp.report import write_report
 
             for lg in trainer.loggers:

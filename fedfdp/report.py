@@ -199,26 +199,33 @@ def _write_report(run_dir: Path) -> Path:
             _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log,
                        hline=(target, f"target ε = {target}") if target else None)
             images.append((title, f"{PLOTS_DIR}/{key}.png"))
-    _client_bars(plots / "clients.png", summary)
-    images.append(("Per-client accuracy", f"{PLOTS_DIR}/clients.png"))
+    final = summary.get("final")
+    if final is not None:
+        _client_bars(plots / "clients.png", summary)
+        images.append(("Per-client accuracy", f"{PLOTS_DIR}/clients.png"))
     if _factor_plot(plots / "clip_factors.png", metrics):
         images.append(("Clip factors", f"{PLOTS_DIR}/clip_factors.png"))
-    final = summary["final"]
     lines = [f"# Run report: {run_dir.name}", "",
              f"Algorithm **{summary['algorithm']}**, {summary['num_clients']} clients, "
              f"{summary['rounds_run']} of {summary['rounds_planned']} planned rounds"
              f"{'' if summary.get('status') is None else ', status **' + summary['status'] + '**'}.", ""]
     if has_missing_clients(summary):
         lines += ["**Not a complete run: clients were left out.**", "", *coverage_note(summary), ""]
-    lines += ["| metric | value |", "|---|---|",
-              f"| pooled test accuracy (final{_covered(summary)}) | {final['accuracy']:.4f} |",
-              f"| best pooled accuracy (round{_best_covered(summary)}) | {summary['best_accuracy']:.4f} "
-              f"({summary['best_accuracy_round']}) |",
-              f"| Ψ paper (global model, client test splits) | {final['psi_paper']:.4g} |",
-              f"| Ψ train (global model, client train splits) | {_fmt(final.get('psi_train_global'))} |",
-              f"| client accuracy: mean / std / worst / worst 10% | {final['accuracy_mean']:.4f} / "
-              f"{final['accuracy_std']:.4f} / {final['accuracy_worst']:.4f} / {final['accuracy_worst10']:.4f} |",
-              f"| Jain's index of client accuracy | {final['accuracy_jain']:.4f} |"]
+    lines += ["| metric | value |", "|---|---|"]
+    if final is None:  # stopped before its first evaluation: training metrics and privacy only
+        lines[-2:-2] = [f"No evaluation yet: the run stopped after {summary['rounds_run']} rounds, before its first "
+                        f"evaluation (every `model.eval_every` rounds). `python -m fedfdp.report {run_dir}` draws "
+                        f"the accuracy once it has one.", ""]
+    else:
+        lines += [
+            f"| pooled test accuracy (final{_covered(summary)}) | {final['accuracy']:.4f} |",
+            f"| best pooled accuracy (round{_best_covered(summary)}) | {summary['best_accuracy']:.4f} "
+            f"({summary['best_accuracy_round']}) |",
+            f"| Ψ paper (global model, client test splits) | {final['psi_paper']:.4g} |",
+            f"| Ψ train (global model, client train splits) | {_fmt(final.get('psi_train_global'))} |",
+            f"| client accuracy: mean / std / worst / worst 10% | {final['accuracy_mean']:.4f} / "
+            f"{final['accuracy_std']:.4f} / {final['accuracy_worst']:.4f} / {final['accuracy_worst10']:.4f} |",
+            f"| Jain's index of client accuracy | {final['accuracy_jain']:.4f} |"]
     if "epsilon" in summary:
         lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
@@ -263,10 +270,10 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     lines = ["# Run comparison", "", "| run | algorithm | rounds | accuracy | Ψ paper | worst client | ε |",
              "|---|---|---|---|---|---|---|"]
     for label, (_, s) in runs.items():
-        f = s["final"]
+        f = s.get("final") or {}  # a run stopped before its first evaluation has none
         rounds = f"{s['rounds_run']} (clients left out)" if has_missing_clients(s) else s["rounds_run"]
-        lines.append(f"| {label} | {s['algorithm']} | {rounds} | {f['accuracy']:.4f} | {f['psi_paper']:.4g} "
-                     f"| {f['accuracy_worst']:.4f} | {_fmt(s.get('epsilon'))} |")
+        lines.append(f"| {label} | {s['algorithm']} | {rounds} | {_fmt(f.get('accuracy'))} | {_fmt(f.get('psi_paper'))} "
+                     f"| {_fmt(f.get('accuracy_worst'))} | {_fmt(s.get('epsilon'))} |")
     lines += ["", *_settings_section(run_dirs, list(runs)), *_identical_note(runs)]
     targets = {s.get("target_epsilon") for _, s in runs.values()}
     target = next(iter(targets)) if len(targets) == 1 else None

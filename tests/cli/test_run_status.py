@@ -99,6 +99,8 @@ def test_a_signal_checkpoints_says_interrupted_exits_128_plus_signal_and_resume_
     assert summary["status"] == "interrupted" and 3 <= stopped < ROUNDS
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert _ledger_rounds(run_dir) == stopped  # the checkpoint is at the round boundary: nothing to replay
+    report = (run_dir / "report.md").read_text()  # written before the first evaluation too (every 20 rounds)
+    assert ("No evaluation yet" in report) == (stopped < 20) and "privacy claim" in report
     if sig != signal.SIGTERM:
         return  # the same path; the resume is checked once
 
