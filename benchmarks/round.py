@@ -54,7 +54,8 @@ from torch.nn.utils import parameters_to_vector  # noqa: E402
 from callbacks import NoisyLossReporting, RDPAccounting  # noqa: E402
 from datamodules import FashionMNISTDataModule  # noqa: E402
 from fedfdp import ClientModule, Federation  # noqa: E402
-from fedfdp.algorithms import FedFDP  # noqa: E402
+from fedfdp.algorithms import FedFDP
+from fedfdp.privacy import SampleLevelDP  # noqa: E402
 from fedfdp.models import FedAvgCNN  # noqa: E402
 
 Q, CLIP, SIGMA, LAMBDA, LR = 0.05, 0.1, 2.0, 0.1, 1.0
@@ -73,8 +74,8 @@ def fedfdp_run(data: FashionMNISTDataModule, rounds: int, seed: int, accelerator
     """One fedfdp run of ``rounds`` rounds (evaluation only at the end); its ``round_seconds`` are the timings."""
     torch.manual_seed(seed)
     federation = Federation(ClientModule(FedAvgCNN()),
-                            FedFDP(fairness_weight=LAMBDA, lr=LR, sample_rate=Q, max_grad_norm=CLIP,
-                                   noise_multiplier=SIGMA),
+                            FedFDP(fairness_weight=LAMBDA, lr=LR,
+                                   privacy=SampleLevelDP(sample_rate=Q, max_grad_norm=CLIP, noise_multiplier=SIGMA)),
                             num_rounds=rounds, eval_every=10**9, eval_train_splits=False, seed=seed,
                             **federation_kwargs)
     callbacks = [NoisyLossReporting(loss_bound=LOSS_BOUND, noise_multiplier=LOSS_SIGMA),

@@ -45,6 +45,7 @@ def run_one(num_clients: int, rounds: int, samples_per_client: int, sample_rate:
     from datamodules import SyntheticDataModule
     from fedfdp import ClientModule, Federation
     from fedfdp.algorithms import FedFDP
+    from fedfdp.privacy import SampleLevelDP
     from fedfdp.models import FedAvgCNN
 
     warnings.filterwarnings("ignore")
@@ -56,7 +57,8 @@ def run_one(num_clients: int, rounds: int, samples_per_client: int, sample_rate:
     setup_seconds = time.perf_counter() - start
     torch.manual_seed(0)
     federation = Federation(ClientModule(FedAvgCNN()),
-                            FedFDP(sample_rate=sample_rate, max_grad_norm=0.1, noise_multiplier=2.0, lr=0.5),
+                            FedFDP(lr=0.5, privacy=SampleLevelDP(sample_rate=sample_rate, max_grad_norm=0.1,
+                                                               noise_multiplier=2.0)),
                             num_rounds=rounds, clients_per_round=min(10, num_clients), eval_every=10**9,
                             eval_train_splits=False, seed=0)
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -120,9 +120,11 @@ class NoisyLossReporting(LossReporting):
         self.bounds: dict[int, float] = {}  # C_l^{i,t}; clients absent still have the initial bound
 
     def _rate(self, federation: Federation) -> float:
-        rate = self.sample_rate if self.sample_rate is not None else getattr(federation.algorithm, "sample_rate", None)
+        mechanism = getattr(federation.algorithm, "privacy", None)
+        rate = self.sample_rate if self.sample_rate is not None else getattr(mechanism, "sample_rate", None)
         if rate is None:
-            raise ConfigError("NoisyLossReporting.sample_rate must be set: the algorithm has no sample_rate")
+            raise ConfigError("NoisyLossReporting.sample_rate must be set: the algorithm has no privacy mechanism "
+                              "whose sampling rate the loss release could share")
         return float(rate)
 
     def bound(self, client_id: int) -> float:

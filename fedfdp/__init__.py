@@ -18,12 +18,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Algorithm": "fedfdp.algorithms",
-    "DPFedAvg": "fedfdp.algorithms",
     "FedAvg": "fedfdp.algorithms",
     "FedFair": "fedfdp.algorithms",
     "FedFDP": "fedfdp.algorithms",
     "ClientModule": "fedfdp.client",
     "Federation": "fedfdp.federation",
+    "SampleLevelDP": "fedfdp.privacy",
 }
 __all__ = sorted(_EXPORTS)
 

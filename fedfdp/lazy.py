@@ -23,15 +23,20 @@ class LazyRegistry:
         registry: public name → the module that defines it, in the order :meth:`load_all` imports.
         namespace: the package's ``globals()``; a resolved name is stored there, so later accesses
             never reach the hook again.
+        retired: names the package no longer has → the line that says what replaced each.
     """
 
-    def __init__(self, package: str, registry: dict[str, str], namespace: MutableMapping[str, Any]) -> None:
+    def __init__(self, package: str, registry: dict[str, str], namespace: MutableMapping[str, Any], *,
+                 retired: dict[str, str] | None = None) -> None:
         self.package, self.registry, self.namespace = package, registry, namespace
+        self.retired = retired or {}
 
     def getattr(self, name: str) -> Any:
         """The package's module ``__getattr__``: import the module that defines ``name``."""
         module = self.registry.get(name)
         if module is None:
+            if name in self.retired:
+                raise AttributeError(self.retired[name])
             raise AttributeError(f"module {self.package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         self.namespace[name] = value

@@ -183,7 +183,7 @@ def batch_refusal(federation: Federation) -> str | None:
         return reason
     spec = federation.algorithm.stackable_step(RoundContext(round=0))
     if spec is None or spec.lockstep:
-        steps = getattr(federation.algorithm, "local_steps", None)
+        steps = getattr(getattr(federation.algorithm, "privacy", None), "local_steps", None)
         return (f"{type(federation.algorithm).__name__} has no one-step private update to batch (several local "
                 f"steps{'' if steps is None else f': local_steps={steps}'}, its own local_update, or a non-private "
                 f"algorithm)")

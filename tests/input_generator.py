@@ -1,7 +1,7 @@
 """Bad inputs generated from the parser for every option of every shipped config family (issue 36).
 
-A *family* is one class that a YAML under ``configs/`` uses (an algorithm, a datamodule, a net, a
-callback, the ScatterNet features, the server optimizer), placed on the tiny synthetic setup of
+A *family* is one class that a YAML under ``configs/`` uses (an algorithm, its privacy mechanism,
+a datamodule, a net, a callback, the ScatterNet features, the server optimizer), placed on the tiny synthetic setup of
 ``tests/configs`` so that a run takes seconds (:func:`family_config`), plus the ``run`` family:
 the options of fedfdp's command line itself (top level, ``model.*``, ``trainer.*``) on
 ``tests/configs/tiny_fedfdp.yaml``. The options of a family are read from the parser (the
@@ -77,6 +77,9 @@ def _class_paths(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
     model, data = config.get("model") or {}, config.get("data") or {}
     if isinstance(model.get("algorithm"), dict):
         yield "algorithm", model["algorithm"]["class_path"]
+        privacy = (model["algorithm"].get("init_args") or {}).get("privacy")
+        if isinstance(privacy, dict):  # the mechanism (fedfdp.privacy.SampleLevelDP) of a private algorithm
+            yield "privacy", privacy["class_path"]
     net = ((model.get("client") or {}).get("init_args") or {}).get("net")
     if isinstance(net, dict):
         yield "net", net["class_path"]
@@ -106,7 +109,8 @@ def shipped() -> dict[str, tuple[str, ...]]:
     return {kind: tuple(sorted(paths)) for kind, paths in sorted(found.items())}
 
 
-_PREFIX = {"algorithm": "model.algorithm.init_args", "net": "model.client.init_args.net.init_args",
+_PREFIX = {"algorithm": "model.algorithm.init_args", "privacy": "model.algorithm.init_args.privacy.init_args",
+           "net": "model.client.init_args.net.init_args",
            "server_optimizer": "model.server_optimizer.init_args",
            "local_optimizer": "model.client.init_args.local_optimizer.init_args", "data": "data.init_args",
            "features": "data.init_args.features.init_args", "callback": "trainer.callbacks.init_args"}
@@ -192,7 +196,7 @@ def family_config(family: Family, tmp: Path) -> Path:
     if family.class_path is None or family.name.startswith("client:"):
         return TINY / "tiny_fedfdp.yaml"
     kind, name = family.name.split(":")
-    algorithm = name if kind == "algorithm" else "DPFedAvg"
+    algorithm: str | None = name if kind == "algorithm" else None  # None: DP-FedAvg, tiny_dpfedavg.yaml
     callback: dict[str, Any] | None = None
     data_swap: str | None = None
     if kind == "callback":
@@ -200,8 +204,11 @@ def family_config(family: Family, tmp: Path) -> Path:
         callback = {"class_path": family.class_path, "init_args": init_args}
     elif kind in ("data", "features"):
         data_swap = "FashionMNISTDataModule" if kind == "features" else name
-    config = yaml.safe_load(algorithm_config(algorithm, tmp).read_text())
+    base = TINY / "tiny_dpfedavg.yaml" if algorithm is None else algorithm_config(algorithm, tmp)
+    config = yaml.safe_load(base.read_text())
     model = config["model"]
+    if kind == "privacy":  # FedAvg with this mechanism, its options as in tiny_dpfedavg.yaml
+        model["algorithm"]["init_args"]["privacy"]["class_path"] = family.class_path
     if data_swap is not None:
         config["data"], model["client"]["init_args"]["net"] = _tiny_data(data_swap, tmp)
     if kind == "features":  # 28x28 images -> (81, 7, 7) features, a linear model on them
@@ -315,8 +322,9 @@ def default_sample(size: int = 60) -> list[Case]:
     """A deterministic cheap sample (about half a minute on 2 cores) of :func:`all_cases`.
 
     Always in: every value of the run's ``seed_everything``, ``model.num_rounds`` and
-    ``ckpt_path``, the accountant's ``target_epsilon`` at 1e-300, 1e300 and inf, and DP-FedAvg's
-    ``sample_rate``, ``noise_multiplier`` and ``lr`` at 1e-300 (the seed range, the number rules
+    ``ckpt_path``, the accountant's ``target_epsilon`` at 1e-300, 1e300 and inf, the privacy
+    mechanism's ``sample_rate`` and ``noise_multiplier`` (on DP-FedAvg) and FedAvg's ``lr`` at
+    1e-300 (the seed range, the number rules
     and the checkpoint check); then cases in a fixed pseudo-random order (crc32 of the id), at most
     one per (family, option), up to ``size``.
     """
@@ -324,8 +332,9 @@ def default_sample(size: int = 60) -> list[Case]:
     pinned = [c for c in cases if c.family == "run" and c.key in ("seed_everything", "model.num_rounds", "ckpt_path")]
     pinned += [c for c in cases if c.family == "callback:RDPAccounting" and c.key.endswith(".target_epsilon")
                and c.value in ("1e-300", "1e300", ".inf")]
-    pinned += [c for c in cases if c.family == "algorithm:DPFedAvg" and c.value == "1e-300"
-               and c.key.endswith((".sample_rate", ".noise_multiplier", ".lr"))]
+    pinned += [c for c in cases if c.family == "privacy:SampleLevelDP" and c.value == "1e-300"
+               and c.key.endswith((".privacy.init_args.sample_rate", ".privacy.init_args.noise_multiplier"))]
+    pinned += [c for c in cases if c.family == "algorithm:FedAvg" and c.value == "1e-300" and c.key.endswith(".lr")]
     seen = {(c.family, c.key) for c in pinned}
     for case in sorted(cases, key=lambda c: zlib.crc32(c.id.encode())):
         if len(pinned) >= size:

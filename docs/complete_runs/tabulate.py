@@ -66,9 +66,13 @@ def covers(run_dir: Path, summary: dict) -> str:
     if private is None:
         import yaml
 
-        algorithm = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {})["model"]["algorithm"]
-        private = not (algorithm["class_path"].endswith("DPDitto")
-                       and (algorithm.get("init_args") or {}).get("private_personal") is False)
+        from fedfdp.algorithms.retired import upgrade_config  # configs saved before privacy= (DPDitto)
+
+        config = upgrade_config(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+        algorithm = config["model"]["algorithm"]
+        init_args = algorithm.get("init_args") or {}
+        private = not (algorithm["class_path"].endswith(".Ditto") and init_args.get("privacy")
+                       and init_args.get("private_personal") is False)
     return "yes" if private else "NO: evaluated models not private"
 
 

@@ -1,26 +1,28 @@
 """Example: a new algorithm in one module (docs/extending.md, "An algorithm").
 
-``DecayingDPFedAvg`` is DP-FedAvg whose clients' learning rate decays over rounds,
-``η_t = η_0 / (1 + decay · t)``. The privacy maths is DP-FedAvg's, untouched: the learning rate
-scales an already clipped and noised step (post-processing), so the DP events, the planned rounds
-and ε are the same as for ``DPFedAvg`` with the same ``q``, ``σ`` and ``C``.
+``DecayingFedAvg`` is FedAvg whose clients' learning rate decays over rounds,
+``η_t = η_0 / (1 + decay · t)``. Given ``privacy=SampleLevelDP(...)`` (as in
+``configs/fmnist_dpfedavg.yaml``) it is DP-FedAvg with that schedule, and the privacy maths is the
+mechanism's, untouched: the learning rate scales an already clipped and noised step
+(post-processing), so the DP events, the planned rounds and ε are DP-FedAvg's for the same ``q``,
+``σ`` and ``C``.
 
 Run it (from the repository root)::
 
     python -m fedfdp.fit --config configs/fmnist_dpfedavg.yaml \\
-        --model.algorithm examples.extending.myalgos.DecayingDPFedAvg --model.algorithm.init_args.decay 0.05
+        --model.algorithm examples.extending.myalgos.DecayingFedAvg --model.algorithm.init_args.decay 0.05
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fedfdp.algorithms import DPFedAvg
+from fedfdp.algorithms import FedAvg
 from fedfdp.types import RoundContext
 
 
-class DecayingDPFedAvg(DPFedAvg):
-    """DP-FedAvg with the local learning rate ``lr / (1 + decay · t)`` in round ``t`` (0-based).
+class DecayingFedAvg(FedAvg):
+    """FedAvg (private or not) with the local learning rate ``lr / (1 + decay · t)`` in round ``t`` (0-based).
 
     The rate comes from :meth:`local_lr`, a function of the round index every client receives in
     its :class:`~fedfdp.types.RoundContext`. Not from ``configure_round``, which runs on the server
@@ -30,8 +32,8 @@ class DecayingDPFedAvg(DPFedAvg):
     server's half could read (:mod:`fedfdp.privacy.channel` refuses the upload).
 
     Args:
-        decay: the decay rate (``≥ 0``; 0 is DP-FedAvg).
-        **kwargs: DP-FedAvg's arguments (``lr`` is ``η_0``).
+        decay: the decay rate (``≥ 0``; 0 is FedAvg).
+        **kwargs: FedAvg's arguments (``lr`` is ``η_0``; ``privacy`` the mechanism).
     """
 
     def __init__(self, *, decay: float = 0.01, **kwargs: Any) -> None:

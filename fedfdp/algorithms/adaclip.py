@@ -92,15 +92,16 @@ from typing import Any, Literal
 
 import torch
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.client import ClientModule
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound, split_noise_multiplier,
                                               unclipped_fraction_estimate)
-from fedfdp.privacy.release import NormalizeBy, batch_denominator, noisy_count_release
+from fedfdp.privacy.release import noisy_count_release
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.privacy.sampling import drawn_rate, poisson_sample
+from fedfdp.privacy.sample_level import SampleLevelDP
+from fedfdp.privacy.sampling import drawn_rate
 from fedfdp.seeding import RandomSource
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
@@ -117,7 +118,7 @@ COUNT_KEY = "adaclip_count"
 """``ClientUpdate.extras`` key of the sum of the client's released noisy centred counts ``b̃`` of the round."""
 
 
-class DPFedAvgAdaClip(DPFedAvg):
+class DPFedAvgAdaClip(FedAvg):
     """DP-FedAvg with bounded adaptive clipping (module docstring, (A1)-(A6)).
 
     Args:
@@ -135,36 +136,36 @@ class DPFedAvgAdaClip(DPFedAvg):
         count_accounting: ``split`` (σ_Δ from σ and σ_b, one SGM(q, σ) per step; needs
             ``2σ_b > σ``) or ``separate`` (σ on the model plus an SGM(q, 2σ_b) per step).
         normalized_clipping: step ``η/C`` (A6; Zhao et al.'s code) instead of ``η``.
-        max_grad_norm: C_0, the initial bound.
-        noise_multiplier: σ, the noise multiplier of the step's (combined, with ``split``) release.
-        lr, sample_rate, local_steps, normalize_by, normalize_constant: as for :class:`DPFedAvg`.
+        lr: as for :class:`FedAvg` (default 1.0).
+        privacy: the mechanism, required (:class:`fedfdp.privacy.SampleLevelDP`): its ``max_grad_norm``
+            is C_0, the initial bound, its ``noise_multiplier`` σ, the noise multiplier of the step's
+            (combined, with ``split``) release.
     """
+
+    runs_without_privacy = False
 
     def __init__(self, *, adaptive: bool = True, bound_scope: BoundScope = "global", target_quantile: float = 0.5,
                  clip_lr: float = 0.2, min_clip_bound: float = 0.1, max_clip_bound: float = 100.0,
                  count_noise_std: float = 10.0, count_accounting: CountAccounting = "split",
-                 normalized_clipping: bool = True, lr: float = 1.0, sample_rate: float = 0.05,
-                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                 normalized_clipping: bool = True, lr: float = 1.0, privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, privacy=privacy)
+        max_grad_norm, noise_multiplier = self.mechanism.max_grad_norm, self.mechanism.noise_multiplier
         require(isinstance(adaptive, bool), f"algorithm.adaptive must be true or false, got {adaptive!r}")
         require(bound_scope in BOUND_SCOPES,
                 f"algorithm.bound_scope must be one of {list(BOUND_SCOPES)}, got {bound_scope!r}")
         require(0 <= target_quantile <= 1, f"algorithm.target_quantile must be in [0, 1], got {target_quantile}")
         require(math.isfinite(clip_lr) and clip_lr >= 0, f"algorithm.clip_lr must be finite and >= 0, got {clip_lr}")
         require(0 < min_clip_bound <= max_grad_norm,
-                f"algorithm.min_clip_bound must be in (0, max_grad_norm={max_grad_norm}], got {min_clip_bound}")
+                f"algorithm.min_clip_bound must be in (0, privacy.max_grad_norm={max_grad_norm}], got {min_clip_bound}")
         require(max_grad_norm <= max_clip_bound < math.inf,
-                f"algorithm.max_clip_bound must be finite and >= max_grad_norm={max_grad_norm}, got {max_clip_bound}")
+                f"algorithm.max_clip_bound must be finite and >= privacy.max_grad_norm={max_grad_norm}, got {max_clip_bound}")
         require(count_accounting in COUNT_ACCOUNTINGS,
                 f"algorithm.count_accounting must be one of {list(COUNT_ACCOUNTINGS)}, got {count_accounting!r}")
         require(math.isfinite(count_noise_std) and count_noise_std >= 0,
                 f"algorithm.count_noise_std must be finite and >= 0, got {count_noise_std}")
         if adaptive and count_accounting == "split" and noise_multiplier > 0:  # σ = 0 is refused at start
             require(2 * count_noise_std > noise_multiplier,
-                    f"algorithm.count_noise_std must be > noise_multiplier/2 = {noise_multiplier / 2:g} with "
+                    f"algorithm.count_noise_std must be > privacy.noise_multiplier/2 = {noise_multiplier / 2:g} with "
                     f"count_accounting 'split' (Andrew et al. Theorem 1), got {count_noise_std}; raise it or use "
                     f"count_accounting 'separate'")
         self.adaptive = adaptive
@@ -184,15 +185,15 @@ class DPFedAvgAdaClip(DPFedAvg):
     @property
     def model_noise_multiplier(self) -> float:
         """The noise multiplier of the model release (A2): σ_Δ with ``split``, else σ."""
-        if self.adaptive and self.count_accounting == "split" and self.noise_multiplier > 0:
-            return split_noise_multiplier(self.noise_multiplier, self.count_noise_std)
-        return self.noise_multiplier
+        if self.adaptive and self.count_accounting == "split" and self.mechanism.noise_multiplier > 0:
+            return split_noise_multiplier(self.mechanism.noise_multiplier, self.count_noise_std)
+        return self.mechanism.noise_multiplier
 
     def bound(self, client_id: int) -> float:
         """The bound client ``client_id`` clips its next step at: the global ``C`` or its own ``C_i``."""
         if self.bound_scope == "global":
             return self.global_bound
-        return self.bounds.get(client_id, self.max_grad_norm)
+        return self.bounds.get(client_id, self.mechanism.max_grad_norm)
 
     @staticmethod
     def bound_key(client_id: int) -> str:
@@ -227,7 +228,7 @@ class DPFedAvgAdaClip(DPFedAvg):
         events = super().planned_dp_events(client_id, dataset_size)
         if self.adaptive and self.count_accounting == "separate" and self.count_noise_std > 0:
             events.append((CLIP_COUNT_RELEASE, DPEvent(noise_multiplier=2.0 * self.count_noise_std,
-                                                       sample_rate=self.sample_rate, steps=self.local_steps)))
+                                                       sample_rate=self.mechanism.sample_rate, steps=self.local_steps)))
         return events
 
     def dp_releases(self) -> list[DPRelease]:
@@ -236,8 +237,8 @@ class DPFedAvgAdaClip(DPFedAvg):
         sensitivity 1/2: noise multiplier 2σ_b)."""
         if not self.adaptive:
             return super().dp_releases()  # DP-FedAvg's: clip C_0, noise σ C_0
-        model = DPRelease(name="model update", noise_field="algorithm.noise_multiplier",
-                          noise_multiplier=self.noise_multiplier, bound_field="algorithm.max_clip_bound",
+        model = DPRelease(name="model update", noise_field="algorithm.privacy.noise_multiplier",
+                          noise_multiplier=self.mechanism.noise_multiplier, bound_field="algorithm.max_clip_bound",
                           clip_bound=self.max_clip_bound)
         return [model, DPRelease(name="unclipped-count release", noise_field="algorithm.count_noise_std",
                                  noise_multiplier=2.0 * self.count_noise_std,
@@ -262,12 +263,10 @@ class DPFedAvgAdaClip(DPFedAvg):
     def step_batch(self, data: ClientData, bound: float, generator: RandomSource) -> LocalBatch:
         """One private step's input at bound ``C = bound``: a Poisson batch (the next draw of
         ``generator``), flat counting clip (A1), noise std ``σ_Δ C`` (A2), step ``η/C`` or ``η`` (A6)."""
-        x, y = poisson_sample(data, self.sample_rate, generator)  # drawn by the mechanism
-        denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate, dataset_size=data.size,
-                                        realized=int(y.shape[0]), constant=self.normalize_constant)
-        return LocalBatch(x=x, y=y, lr=self.lr / bound if self.normalized_clipping else self.lr,
-                          clip_rule=CountingFlatClip(bound), noise_multiplier=self.model_noise_multiplier,
-                          denominator=denominator, generator=generator, sample_rate=self.sample_rate)
+        batch = self.mechanism.private_batch(data, CountingFlatClip(bound), generator,
+                                             self.lr / bound if self.normalized_clipping else self.lr)
+        batch.noise_multiplier = self.model_noise_multiplier  # σ_Δ of the split release (A2), charged jointly
+        return batch
 
     def release_count(self, batch: LocalBatch, data: ClientData) -> float:
         """(A3): the centred count of the step just taken on ``batch``, noised with ``σ_b`` drawn from the
@@ -282,7 +281,7 @@ class DPFedAvgAdaClip(DPFedAvg):
 
     def expected_count(self, dataset_size: int) -> float:
         """``q|D_i|``, the public divisor of (A4)."""
-        return max(self.sample_rate * dataset_size, 1e-12)
+        return max(self.mechanism.sample_rate * dataset_size, 1e-12)
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
@@ -337,7 +336,7 @@ class DPFedAvgAdaClip(DPFedAvg):
                         counts[0], self.expected_count(data.size)))
             return self.adaptive_update(client, data, [output], [bound], counts, new_bound)
 
-        return StackedStepSpec(batch=batch, update=update, sample_rate=self.sample_rate)
+        return StackedStepSpec(batch=batch, update=update, sample_rate=self.mechanism.sample_rate)
 
     # ---- server half ------------------------------------------------------------------------
     def on_round_end(self, updates: list[ClientUpdate], context: RoundContext) -> dict[str, float]:

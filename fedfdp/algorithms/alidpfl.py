@@ -24,16 +24,16 @@ from typing import Any
 
 from torch import Tensor
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.seeding import RandomSource
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, RoundContext
 
 
-class ALIDPFL(DPFedAvg):
+class ALIDPFL(FedAvg):
     """DP-FedAvg with an adaptive number of local steps τ_t per round.
 
     Args:
@@ -42,16 +42,20 @@ class ALIDPFL(DPFedAvg):
         initial_mu: μ before two rounds of released updates exist.
         gamma: Γ in the bound (fixed; estimating it needs unreleased losses).
         mu_range: clamp of the μ estimate ``[low, high]``.
-        lr, sample_rate, max_grad_norm, noise_multiplier, normalize_by, normalize_constant: as for
-            :class:`DPFedAvg`.
+        lr: as for :class:`FedAvg` (default 1.0).
+        privacy: the mechanism, required (:class:`fedfdp.privacy.SampleLevelDP`); its ``local_steps``
+            stays 1: the algorithm chooses τ_t each round.
     """
 
     supports_distributed = False  # see Algorithm.supports_distributed
+    runs_without_privacy = False
+    #: τ_t, this round's local steps: server state of the algorithm (public: a function of released
+    #: updates), so an attribute here rather than the mechanism's fixed ``local_steps``.
+    local_steps: int = 1  # type: ignore[assignment]
 
     def __init__(self, *, max_local_steps: int = 5, initial_local_steps: int = 1, initial_mu: float = 1.0,
                  gamma: float = 0.0, mu_range: tuple[float, float] = (1e-3, 1e3), lr: float = 1.0,
-                 sample_rate: float = 0.05, max_grad_norm: float = 0.1, noise_multiplier: float = 2.0,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
+                 privacy: SampleLevelDP | None = None) -> None:
         require(max_local_steps >= 1, f"algorithm.max_local_steps must be >= 1, got {max_local_steps}")
         require(1 <= initial_local_steps <= max_local_steps,
                 f"algorithm.initial_local_steps must be in [1, max_local_steps={max_local_steps}], "
@@ -59,9 +63,11 @@ class ALIDPFL(DPFedAvg):
         require(initial_mu > 0, f"algorithm.initial_mu must be > 0, got {initial_mu}")
         require(gamma >= 0, f"algorithm.gamma must be >= 0, got {gamma}")
         require(0 < mu_range[0] <= mu_range[1], f"algorithm.mu_range must be 0 < low <= high, got {mu_range}")
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=initial_local_steps,
-                         normalize_by=normalize_by, normalize_constant=normalize_constant)
+        super().__init__(lr=lr, privacy=privacy)
+        require(self.mechanism.local_steps == 1,
+                f"algorithm.privacy.local_steps must be 1 for ALIDPFL, which chooses its local steps each round "
+                f"(algorithm.initial_local_steps, max_local_steps), got {self.mechanism.local_steps}")
+        self.local_steps = initial_local_steps
         self.max_local_steps = max_local_steps
         self.mu = initial_mu
         self.gamma = gamma
@@ -77,29 +83,29 @@ class ALIDPFL(DPFedAvg):
         """d, B̂ and the planned rounds R_s (known once the federation has fixed them)."""
         self.dim = sum(p.numel() for p in trainable(federation.global_model))
         sizes = [float(s) for s in federation.datamodule.train_sizes]
-        self.batch_hat = max(self.sample_rate * sum(sizes) / len(sizes), 1.0)
+        self.batch_hat = max(self.mechanism.sample_rate * sum(sizes) / len(sizes), 1.0)
         self.planned_rounds = lambda: max(int(federation.total_rounds), 1)
 
     def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
         """Worst case τ_max SGM(q, σ) events per round (budget planning)."""
-        if self.noise_multiplier == 0:
+        if self.mechanism.noise_multiplier == 0:
             return []
-        return [(MODEL_RELEASE, DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+        return [(MODEL_RELEASE, DPEvent(noise_multiplier=self.mechanism.noise_multiplier, sample_rate=self.mechanism.sample_rate,
                                         steps=self.max_local_steps))]
 
     def local_update(self, client: Any, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
         """τ_t DP-SGD steps; the τ_t actual events are charged."""
         update = super().local_update(client, data, context, generator)
-        update.dp_events = [] if self.noise_multiplier == 0 else [
-            (MODEL_RELEASE, DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate,
+        update.dp_events = [] if self.mechanism.noise_multiplier == 0 else [
+            (MODEL_RELEASE, DPEvent(noise_multiplier=self.mechanism.noise_multiplier, sample_rate=self.mechanism.sample_rate,
                                     steps=self.local_steps))]
         return update
 
     def optimal_steps(self, mu: float, horizon: float) -> int:
         """τ* from the bound (module docstring), clipped to [1, τ_max]."""
-        c2 = self.max_grad_norm ** 2
-        noise = self.noise_multiplier ** 2 * c2 * self.dim / self.batch_hat ** 2
+        c2 = self.mechanism.max_grad_norm ** 2
+        noise = self.mechanism.noise_multiplier ** 2 * c2 * self.dim / self.batch_hat ** 2
         m = 4.0 / mu ** 2 + 3.0 * c2 + 2.0 * self.gamma * horizon * mu + noise
         d = (2.0 + 2.0 / horizon) * (c2 + noise)
         return int(min(max(round(math.sqrt(1.0 + m / d)), 1), self.max_local_steps))

@@ -1,6 +1,6 @@
 """The clustered baselines of RC-DPFL's comparison (spec §6.4, §6.5), on :class:`ClusteredDPFL`.
 
-:class:`OracleCDPFL` knows the true clusters from round 1 and runs DPFedAvg inside each;
+:class:`OracleCDPFL` knows the true clusters from round 1 and runs DP-FedAvg inside each;
 :class:`LocalDPSGD` gives every client its own model and never communicates. Both only choose the
 initial models and assignment; training, aggregation and accounting are ``ClusteredDPFL``'s.
 """
@@ -22,7 +22,7 @@ __all__ = ["LocalDPSGD", "OracleCDPFL"]
 
 
 class OracleCDPFL(ClusteredDPFL):
-    """O-CDPFL: the true clusters are known from round 1; DPFedAvg inside each (spec §6.4).
+    """O-CDPFL: the true clusters are known from round 1; DP-FedAvg inside each (spec §6.4).
 
     The datamodule must expose ``client_cluster`` (e.g. :class:`datamodules.ClusteredDataModule`);
     ``num_clusters`` must equal its number of clusters.

@@ -1,13 +1,13 @@
 """Ditto (Li, Hu, Beirami, Smith, ICML 2021): a global model plus personalised models.
 
 Each round client ``i`` (1) updates the global model exactly as the parent algorithm
-(FedAvg / DP-FedAvg) and uploads it, and (2) updates its personal model ``v_i`` — kept on the
+(FedAvg, private or not) and uploads it, and (2) updates its personal model ``v_i`` — kept on the
 client in a :class:`ClientStateStore`, started from ``w_t`` at its first round — with the same
 local loop on ``F_i(v) + (λ/2)‖v − w_t‖²``: the term ``λ(v − w_t)`` is added after
 privatisation. Each client is evaluated with its personal model (clients that never trained
 use ``w_t``). λ = 0 makes ``v_i`` plain local training.
 
-Under DP two threat models are offered (:class:`DPDitto`'s ``private_personal``):
+Under DP (``privacy=SampleLevelDP(...)``) two threat models are offered (``private_personal``):
 
 - ``True`` (default): the personal steps are DP-SGD steps too and are charged to the client's
   ledger, so the personal model is itself (ε, δ)-DP and may be deployed or shared; a round costs
@@ -23,18 +23,17 @@ Under DP two threat models are offered (:class:`DPDitto`'s ``private_personal``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from fedfdp.algorithms.client_state import ClientStateStore
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import TermClient
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.seeding import RandomSource, poisson_mask, select_rows
 from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
 
@@ -106,70 +105,68 @@ class _Ditto:
 
 
 class Ditto(_Ditto, FedAvg):
-    """Non-private Ditto.
+    """Ditto; with ``privacy``, DP-SGD on the global model and the personal phase private too (default)
+    or kept on the client.
 
     Args:
         personal_weight: λ ≥ 0 of the personal objective (spec §6: 0.1 or 1).
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg` (shared by both
-            phases).
-    """
-
-
-    def __init__(self, *, personal_weight: float = 0.1, lr: float = 0.1, local_epochs: int = 1,
-                 batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
-        super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_ditto(personal_weight)
-
-
-class DPDitto(_Ditto, DPFedAvg):
-    """Ditto with DP-SGD on the global model; the personal phase private too (default) or kept on the client.
-
-    Args:
-        personal_weight: λ ≥ 0.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
-        private_personal: ``True``: the personal steps are DP-SGD steps and charged (the personal
-            model is (ε, δ)-DP). ``False``: the personal model never leaves the client, so its
-            ``local_steps`` plain SGD steps (Poisson batches of rate q, mean gradient, step
-            ``personal_lr``) release nothing and are not charged (silo-specific sample-level DP,
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg` (shared by
+            both phases).
+        private_personal: with ``privacy``: ``True``: the personal steps are DP-SGD steps and charged
+            (the personal model is (ε, δ)-DP). ``False``: the personal model never leaves the client,
+            so its ``privacy.local_steps`` plain SGD steps (Poisson batches of rate q, mean gradient,
+            step ``personal_lr``) release nothing and are not charged (silo-specific sample-level DP,
             Liu et al. 2022; see the module docstring).
-        personal_lr: the personal phase's step size; ``None``: ``lr`` (required when
+        personal_lr: the private run's personal step size; ``None``: ``lr`` (required when
             ``private_personal=False``, since a clipped step and a plain one need different sizes).
-        personal_steps: plain SGD steps of the personal phase per round (``None``: ``local_steps``);
+        personal_steps: plain SGD steps of the personal phase per round (``None``: ``privacy.local_steps``);
             only with ``private_personal=False``, where they cost no ε, only compute.
     """
 
-    def __init__(self, *, personal_weight: float = 0.1, lr: float = 1.0, sample_rate: float = 0.05,
-                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0,
-                 private_personal: bool = True, personal_lr: float | None = None,
-                 personal_steps: int | None = None) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+    def __init__(self, *, personal_weight: float = 0.1, lr: float = 0.1, local_epochs: int = 1,
+                 batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
+                 privacy: SampleLevelDP | None = None, private_personal: bool = True,
+                 personal_lr: float | None = None, personal_steps: int | None = None) -> None:
+        super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_ditto(personal_weight)
+        if privacy is None:
+            require(private_personal and personal_lr is None and personal_steps is None,
+                    "algorithm.private_personal, personal_lr and personal_steps choose how a private run trains "
+                    "its personal models: they need algorithm.privacy")
+            return
         require(private_personal or personal_lr is not None,
                 "algorithm.personal_lr is required with private_personal: false (a plain SGD step size, e.g. 0.05)")
         require(personal_lr is None or personal_lr > 0, f"algorithm.personal_lr must be > 0, got {personal_lr}")
         require(personal_steps is None or (personal_steps >= 1 and not private_personal),
                 f"algorithm.personal_steps must be >= 1 and needs private_personal: false (private personal steps "
-                f"take local_steps), got {personal_steps}")
+                f"take privacy.local_steps), got {personal_steps}")
         # the proximal term's step v ← v − lr·λ(v − w_t) overshoots and grows when lr·λ > 2
         lr_personal = lr if personal_lr is None else personal_lr
         require(lr_personal * personal_weight < 2, f"algorithm.personal_lr × personal_weight = "
                 f"{lr_personal:g} × {personal_weight:g} = {lr_personal * personal_weight:g} must be < 2 (the "
                 f"proximal step overshoots and the personal model diverges); lower either")
         self.private_personal = bool(private_personal)
-        # the personal models are evaluated: covered by ε only when their steps are charged
-        self.evaluated_models_covered = self.private_personal
-        self.personal_lr = lr if personal_lr is None else personal_lr
-        self.personal_steps = local_steps if personal_steps is None else personal_steps
+        self.personal_lr = lr_personal
+        self.personal_steps = privacy.local_steps if personal_steps is None else personal_steps
+
+    #: The personal models are evaluated: covered by ε when their steps are charged (a private run with
+    #: ``private_personal``: :meth:`covers_evaluated_models`). On the class, so that a subclass that
+    #: overrides an evaluation hook loses it (fail-closed, :meth:`Algorithm.covers_evaluated_models`).
+    evaluated_models_covered: ClassVar[bool] = True
+
+    def covers_evaluated_models(self) -> bool:
+        """The class's declaration, for a private run whose personal steps are charged."""
+        return self.privacy is not None and self.private_personal and super().covers_evaluated_models()
 
     def personal_update(self, client: Any, data: ClientData, context: RoundContext,
                         generator: RandomSource) -> ClientUpdate:
-        """DP-SGD steps (charged), or plain SGD steps that never leave the client (``private_personal=False``)."""
-        if self.private_personal:  # DPFedAvg's local loop with the personal step size
+        """Without privacy, the parent's loop; with it, DP-SGD steps (charged), or plain SGD steps that
+        never leave the client (``private_personal=False``)."""
+        privacy = self.privacy
+        if privacy is None:
+            return super().personal_update(client, data, context, generator)
+        if self.private_personal:  # the private local loop with the personal step size
             rule = self.clip_rule(context)
             outputs = [client.training_step(dataclasses.replace(self.private_batch(data, rule, generator),
                                                                 lr=self.personal_lr))
@@ -177,7 +174,7 @@ class DPDitto(_Ditto, DPFedAvg):
             return self.client_update(client, data, outputs)
         losses = []
         for _ in range(self.personal_steps):
-            mask = poisson_mask(data.size, self.sample_rate, generator)
+            mask = poisson_mask(data.size, privacy.sample_rate, generator)
             if bool(mask.any()):
                 x, y = select_rows(mask, data.x, data.y)
                 losses.append(client.training_step(LocalBatch(x=x, y=y, lr=self.personal_lr)).loss)

@@ -58,12 +58,12 @@ import torch
 from torch import Tensor
 
 from fedfdp.aggregate import aggregation_weights
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.algorithms.fedfair import InitialLoss
 from fedfdp.algorithms.fedfdp import FedFDP
 from fedfdp.errors import require
 from fedfdp.privacy.clipping import FairClipMode
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.types import ClientUpdate, RoundContext
 
 FairWeightRule = Literal["exp", "power"]
@@ -185,24 +185,20 @@ class FedFDPFairAgg(FairAggregation, FedFDP):
         q_fair: ``q ≥ 0`` of the ``power`` rule (0: FedFDP; unset: 1). Refused with ``exp``.
         mix: weight of the size weights ``p_i`` in ``π_i = (1 − mix) p̃_i + mix p_i``, in [0, 1].
         loss_floor: ``f_min > 0`` of the ``power`` rule (noisy losses can be ≤ 0).
-        fairness_weight, fair_clip_mode, initial_broadcast_loss, lr, sample_rate, max_grad_norm,
-            noise_multiplier, local_steps, normalize_by, normalize_constant: as for :class:`FedFDP`.
+        fairness_weight, fair_clip_mode, initial_broadcast_loss, lr, privacy: as for :class:`FedFDP`.
     """
 
     def __init__(self, *, fair_weight_rule: FairWeightRule = "exp", tilt: float | None = None,
                  q_fair: float | None = None, mix: float = 0.0, loss_floor: float = 1e-3,
                  fairness_weight: float = 0.1, fair_clip_mode: FairClipMode = "symmetric",
-                 initial_broadcast_loss: InitialLoss = 0.0, lr: float = 1.0, sample_rate: float = 0.05,
-                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
+                 initial_broadcast_loss: InitialLoss = 0.0, lr: float = 1.0,
+                 privacy: SampleLevelDP | None = None) -> None:
         super().__init__(fairness_weight=fairness_weight, fair_clip_mode=fair_clip_mode,
-                         initial_broadcast_loss=initial_broadcast_loss, lr=lr, sample_rate=sample_rate,
-                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, local_steps=local_steps,
-                         normalize_by=normalize_by, normalize_constant=normalize_constant)
+                         initial_broadcast_loss=initial_broadcast_loss, lr=lr, privacy=privacy)
         self._init_fair_weights(fair_weight_rule, tilt, q_fair, mix, loss_floor)
 
 
-class DPFedAvgFairAgg(FairAggregation, DPFedAvg):
+class DPFedAvgFairAgg(FairAggregation, FedAvg):
     """DP-FedAvg plus FedFDP's noisy loss release, aggregated by the released losses (no fair clip).
 
     The loss release is charged as in FedFDP (:class:`callbacks.NoisyLossReporting`), so its ε is
@@ -210,17 +206,15 @@ class DPFedAvgFairAgg(FairAggregation, DPFedAvg):
 
     Args:
         fair_weight_rule, tilt, q_fair, mix, loss_floor: as for :class:`FedFDPFairAgg`.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
+        lr: as for :class:`FedAvg` (default 1.0, the paper's DP runs').
+        privacy: the mechanism, required (:class:`fedfdp.privacy.SampleLevelDP`).
     """
 
+    runs_without_privacy = False
     required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyLossReporting")
 
     def __init__(self, *, fair_weight_rule: FairWeightRule = "exp", tilt: float | None = None,
                  q_fair: float | None = None, mix: float = 0.0, loss_floor: float = 1e-3, lr: float = 1.0,
-                 sample_rate: float = 0.05, max_grad_norm: float = 0.1, noise_multiplier: float = 2.0,
-                 local_steps: int = 1, normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                 privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, privacy=privacy)
         self._init_fair_weights(fair_weight_rule, tilt, q_fair, mix, loss_floor)

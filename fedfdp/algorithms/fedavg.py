@@ -1,4 +1,12 @@
-"""FedAvg (McMahan et al., AISTATS 2017): local SGD from ``w_t``, p_i-weighted averaging."""
+"""FedAvg (McMahan et al., AISTATS 2017): local SGD from ``w_t``, p_i-weighted averaging.
+
+Without ``privacy`` the local update is plain SGD over the client's data (:meth:`FedAvg.local_update`).
+With ``privacy=SampleLevelDP(...)`` it is DP-FedAvg (DP-FedSGD with ``local_steps`` private
+steps): each step is one step of the mechanism (:class:`fedfdp.privacy.SampleLevelDP`: a Poisson
+batch of rate q, per-sample clipping to C with :meth:`FedAvg.clip_rule`, ``N(0, (σC)² I)`` on the
+sum, the sum over the expected batch size; spec §1.2 (a) with λ = 0; Abadi et al. 2016), charged
+as one SGM(q, σ) event of the record unit by :class:`callbacks.RDPAccounting`.
+"""
 
 from __future__ import annotations
 
@@ -9,44 +17,79 @@ from torch import Tensor
 
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
-from fedfdp.errors import require
+from fedfdp.errors import ConfigError, require
+from fedfdp.privacy.clipping import ClipRule
+from fedfdp.privacy.sample_level import SampleLevelDP
+from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask, randperm, select_rows
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext
+from fedfdp.types import (MODEL_RELEASE, ClientData, ClientUpdate, DPEvent, LocalBatch, RoundContext,
+                          StackedStepSpec, StepOutput)
 
 LocalMode = Literal["epoch", "poisson_batch"]
 
+#: The options of the non-private local loop, with their defaults (a private run's local steps are
+#: the mechanism's: ``privacy.local_steps`` Poisson batches of rate ``privacy.sample_rate``).
+PLAIN_LOOP_DEFAULTS = {"local_epochs": 1, "batch_size": 64, "local_mode": "epoch", "sample_rate": 0.05}
+
 
 class FedAvg(Algorithm):
-    """Non-private FedAvg.
+    """FedAvg, and with ``privacy`` DP-FedAvg.
 
     Args:
-        lr: local learning rate η (the paper's non-private runs use 0.1).
-        local_epochs: passes over the local data per round (``local_mode="epoch"``).
-        batch_size: mini-batch size (``local_mode="epoch"``).
+        lr: local learning rate η (the paper's non-private runs use 0.1, its DP runs 1.0).
+        local_epochs: passes over the local data per round (``local_mode="epoch"``; non-private only).
+        batch_size: mini-batch size (``local_mode="epoch"``; non-private only).
         local_mode: ``epoch`` — shuffled mini-batches over all of ``D_i`` (Alg. 1, default);
             ``poisson_batch`` — one Poisson batch of rate ``sample_rate`` per round (the
-            authors' code, spec A-5).
-        sample_rate: Poisson rate q for ``poisson_batch``.
+            authors' code, spec A-5). Non-private only.
+        sample_rate: Poisson rate q for ``poisson_batch`` (non-private only; a private run's rate
+            is ``privacy.sample_rate``).
+        privacy: the privacy mechanism (:class:`fedfdp.privacy.SampleLevelDP`: DP-SGD in each
+            client), or None: a non-private run.
     """
 
     supports_distributed = True  # see Algorithm.supports_distributed
 
+    #: Whether the algorithm runs without a privacy mechanism (False: ``privacy`` is required).
+    runs_without_privacy: bool = True
+
     def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
-                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
+                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
+                 privacy: SampleLevelDP | None = None) -> None:
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
         require(local_epochs >= 1, f"algorithm.local_epochs must be >= 1, got {local_epochs}")
         require(batch_size >= 1, f"algorithm.batch_size must be >= 1, got {batch_size}")
         require(local_mode in ("epoch", "poisson_batch"),
                 f"algorithm.local_mode must be one of ['epoch', 'poisson_batch'], got {local_mode!r}")
         require(0 < sample_rate <= 1, f"algorithm.sample_rate must be in (0, 1], got {sample_rate}")
+        if privacy is None and not self.runs_without_privacy:
+            raise ConfigError(f"{type(self).__name__} is private: algorithm.privacy must be a "
+                              f"fedfdp.privacy.SampleLevelDP, got null")
+        if privacy is not None:
+            require(isinstance(privacy, SampleLevelDP),
+                    f"algorithm.privacy of {type(self).__name__} must be fedfdp.privacy.SampleLevelDP or null, "
+                    f"got {type(privacy).__name__}")
+            given = {"local_epochs": local_epochs, "batch_size": batch_size, "local_mode": local_mode,
+                     "sample_rate": sample_rate}
+            changed = sorted(k for k, v in given.items() if v != PLAIN_LOOP_DEFAULTS[k])
+            require(not changed, f"algorithm.{', algorithm.'.join(changed)} set the non-private local loop; with "
+                                 f"algorithm.privacy the local steps are privacy.local_steps Poisson batches of rate "
+                                 f"privacy.sample_rate: remove them")
         self.lr = lr
         self.local_epochs = local_epochs
         self.batch_size = batch_size
         self.local_mode = local_mode
         self.sample_rate = sample_rate
+        self.privacy = privacy
 
+    @property
+    def required_callbacks(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The accounting callback when private (see :attr:`Algorithm.required_callbacks`)."""
+        return ("callbacks.RDPAccounting",) if self.privacy is not None else ()
+
+    # ---- the non-private local loop -------------------------------------------------------------
     def local_batches(self, data: ClientData, generator: RandomSource) -> Iterator[tuple[Tensor, Tensor]]:
-        """The round's local mini-batches (seeded by ``generator``)."""
+        """The round's local mini-batches of the non-private loop (seeded by ``generator``)."""
         if self.local_mode == "poisson_batch":
             mask = poisson_mask(data.size, self.sample_rate, generator)
             yield select_rows(mask, data.x, data.y)
@@ -63,14 +106,125 @@ class FedAvg(Algorithm):
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
-        """Local SGD from ``w_t`` over :meth:`local_batches`."""
-        scale = self.loss_scale(context)
+        """Local SGD from ``w_t`` over :meth:`local_batches`; with ``privacy``, :meth:`private_local_update`."""
+        if self.privacy is not None:
+            return self.private_local_update(client, data, context, generator)
+        scale, lr = self.loss_scale(context), self.local_lr(context)
         losses = []
         for x, y in self.local_batches(data, generator):
             if y.numel() == 0:
                 continue
-            out = client.training_step(LocalBatch(x=x, y=y, lr=self.lr, loss_scale=scale))
+            out = client.training_step(LocalBatch(x=x, y=y, lr=lr, loss_scale=scale))
             losses.append(out.loss)
         diagnostics = {"train_loss": sum(losses) / len(losses)} if losses else {}
         return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(),
                             num_examples=data.size, diagnostics=diagnostics)
+
+    # ---- the private local loop: steps of the mechanism ----------------------------------------
+    @property
+    def mechanism(self) -> SampleLevelDP:
+        """The privacy mechanism (refused in one line where a run has none)."""
+        if self.privacy is None:
+            raise ConfigError(f"{type(self).__name__} made a private step without algorithm.privacy")
+        return self.privacy
+
+    @property
+    def local_steps(self) -> int:
+        """The private steps of a round (``privacy.local_steps``); a non-private run has none (its loop is
+        ``local_epochs`` of ``batch_size`` batches, or one Poisson batch)."""
+        if self.privacy is None:
+            raise AttributeError(f"a non-private {type(self).__name__} has no local_steps (its local loop is "
+                                 f"local_epochs of batch_size batches, or one Poisson batch)")
+        return self.privacy.local_steps
+
+    def clip_rule(self, context: RoundContext) -> ClipRule:
+        """Per-sample clip rule of this round: the mechanism's flat clipping at C."""
+        return self.mechanism.flat_clip()
+
+    def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
+        """The mechanism's events of a round (none without privacy)."""
+        return [] if self.privacy is None else self.privacy.planned_events()
+
+    def dp_releases(self) -> list[DPRelease]:
+        """The mechanism's releases: the model update, per-sample clip ``C``, noise ``σC``."""
+        return [] if self.privacy is None else self.privacy.releases()
+
+    def upload_privacy(self) -> dict[str, str | None]:
+        """The local model is the output of the mechanism's steps (kind ``model``), or not private."""
+        return {"params": MODEL_RELEASE if self.privacy is not None else None}
+
+    def local_lr(self, context: RoundContext) -> float:
+        """The local learning rate of this round's steps, private or not (``lr``; a schedule overrides
+        this: it reads the round from ``context`` and leaves nothing on the algorithm,
+        :mod:`fedfdp.privacy.channel`)."""
+        return self.lr
+
+    def private_local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
+                             generator: RandomSource) -> ClientUpdate:
+        """``local_steps`` private steps, each on a fresh Poisson batch."""
+        rule, lr = self.clip_rule(context), self.local_lr(context)
+        outputs = [client.training_step(self.at_lr(self.private_batch(data, rule, generator), lr))
+                   for _ in range(self.local_steps)]
+        return self.client_update(client, data, outputs)
+
+    def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
+        """One private step's input at ``lr``, drawn by the mechanism (:meth:`SampleLevelDP.private_batch`)."""
+        return self.mechanism.private_batch(data, rule, generator, self.lr)
+
+    @staticmethod
+    def at_lr(batch: LocalBatch, lr: float) -> LocalBatch:
+        """``batch`` stepped at ``lr`` (the round's :meth:`local_lr`)."""
+        batch.lr = lr
+        return batch
+
+    def client_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
+        """The upload after the private steps: the local model in ``client``, ``|D_i|``, the DP events
+        and the steps' diagnostics (logs only)."""
+        return ClientUpdate(client_id=data.client_id, params=client.get_flat_params(), num_examples=data.size,
+                            dp_events=self.planned_dp_events(data.client_id, data.size),
+                            diagnostics=self.mechanism.step_statistics(outputs, self.local_steps))
+
+    # ---- the private steps in a stacked round --------------------------------------------------
+    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+        """The private steps of a client from its start model: one step (:meth:`one_step_spec`), or
+        ``local_steps`` lockstep steps (:meth:`lockstep_spec`); None without privacy, or when a
+        subclass (or mixin) replaces :meth:`local_update` or :meth:`private_local_update` (its own
+        local update must then run, unless it declares its own equivalent step from :meth:`one_step_spec`)."""
+        if self.privacy is None or type(self).local_update is not FedAvg.local_update \
+                or type(self).private_local_update is not FedAvg.private_local_update:
+            return None
+        if self.local_steps == 1:
+            return self.one_step_spec(context)
+        return self.lockstep_spec(context)
+
+    def lockstep_spec(self, context: RoundContext) -> StackedStepSpec:
+        """:meth:`private_local_update` with ``local_steps = K`` as K lockstep steps of a stacked round.
+
+        As in :meth:`private_local_update`, each client gets one clip rule for its K steps (made at
+        its first batch), K Poisson batches and K noise draws from its own generator, and the upload
+        of :meth:`client_update` from its K step outputs.
+        """
+        rules: dict[int, ClipRule] = {}
+        lr = self.local_lr(context)
+
+        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
+            if data.client_id not in rules:
+                rules[data.client_id] = self.clip_rule(context)
+            return self.at_lr(self.private_batch(data, rules[data.client_id], generator), lr)
+
+        return StackedStepSpec(
+            batch=batch, update=lambda client, data, output: self.client_update(client, data, [output]),
+            sample_rate=self.mechanism.sample_rate, steps=self.local_steps,
+            update_steps=lambda client, data, outputs: self.client_update(client, data, outputs))
+
+    def one_step_spec(self, context: RoundContext) -> StackedStepSpec | None:
+        """:meth:`private_local_update` with ``local_steps = 1`` in the two halves of a stacked round
+        (None for several steps, or without privacy): the client's private batch and fresh clip rule,
+        and :meth:`client_update`."""
+        if self.privacy is None or self.local_steps != 1:
+            return None
+        lr = self.local_lr(context)
+        return StackedStepSpec(
+            batch=lambda data, generator: self.at_lr(self.private_batch(data, self.clip_rule(context), generator), lr),
+            update=lambda client, data, output: self.client_update(client, data, [output]),
+            sample_rate=self.mechanism.sample_rate)

@@ -23,11 +23,10 @@ from torch import Tensor
 
 from fedfdp.aggregate import weighted_mean
 from fedfdp.algorithms.client_state import ClientStateStore
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import GradTerm, GradTermMixin
 from fedfdp.errors import require
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.types import ClientUpdate, RoundContext
 
 
@@ -86,37 +85,17 @@ class _Dyn(GradTermMixin):
 
 
 class FedDyn(_Dyn, FedAvg):
-    """Non-private FedDyn.
+    """FedDyn; with ``privacy``, DP-SGD local steps (the linear and quadratic terms added after the noise).
 
     Args:
         alpha: α ≥ 0 (spec §6: 0.01).
         server_correction: apply the server's ``−h/α`` (FedDyn); false: plain averaging.
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
     """
-
 
     def __init__(self, *, alpha: float = 0.01, server_correction: bool = True, lr: float = 0.1,
                  local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",
-                 sample_rate: float = 0.05) -> None:
+                 sample_rate: float = 0.05, privacy: SampleLevelDP | None = None) -> None:
         super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_dyn(alpha, server_correction)
-
-
-class DPFedDyn(_Dyn, DPFedAvg):
-    """FedDyn with DP-SGD local steps.
-
-    Args:
-        alpha: α ≥ 0.
-        server_correction: apply the server's ``−h/α``.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
-    """
-
-    def __init__(self, *, alpha: float = 0.01, server_correction: bool = True, lr: float = 1.0,
-                 sample_rate: float = 0.05, max_grad_norm: float = 0.1, noise_multiplier: float = 2.0,
-                 local_steps: int = 1, normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_dyn(alpha, server_correction)

@@ -14,18 +14,18 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.algorithms.fedfair import BroadcastLoss, InitialLoss
 from fedfdp.errors import require
 from fedfdp.privacy.clipping import FAIR_CLIP_MODES, ClipRule, FairClip, FairClipMode
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import RoundContext
 
 logger = logging.getLogger(__name__)
 
 
-class FedFDP(BroadcastLoss, DPFedAvg):
+class FedFDP(BroadcastLoss, FedAvg):
     """FedFDP: fairness-aware DP federated learning.
 
     Args:
@@ -33,19 +33,19 @@ class FedFDP(BroadcastLoss, DPFedAvg):
         fair_clip_mode: handling of negative coefficients ``1 + λΔ < 0``: ``symmetric`` (default,
             DP-valid), ``code`` (authors' code), ``nonneg``, ``paper_raw`` (literal, NOT DP).
         initial_broadcast_loss: ``F̄_0`` (spec A-3; code 0.0).
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg` (paper: 1.0, 0.05, 0.1, 2.0, 1).
+        lr: local learning rate η (paper: 1.0).
+        privacy: the mechanism, required: :class:`fedfdp.privacy.SampleLevelDP` (paper: q 0.05, C 0.1,
+            σ 2.0, one local step); its clip bound is the fair clip's ``C``.
     """
+
+    runs_without_privacy = False
 
     required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyLossReporting")
 
     def __init__(self, *, fairness_weight: float = 0.1, fair_clip_mode: FairClipMode = "symmetric",
-                 initial_broadcast_loss: InitialLoss = 0.0, lr: float = 1.0, sample_rate: float = 0.05,
-                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps,
-                         normalize_by=normalize_by, normalize_constant=normalize_constant)
+                 initial_broadcast_loss: InitialLoss = 0.0, lr: float = 1.0,
+                 privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, privacy=privacy)
         require(fairness_weight >= 0, f"algorithm.fairness_weight must be >= 0, got {fairness_weight}")
         require(fair_clip_mode in FAIR_CLIP_MODES,
                 f"algorithm.fair_clip_mode must be one of {list(FAIR_CLIP_MODES)}, got {fair_clip_mode!r}")
@@ -72,5 +72,5 @@ class FedFDP(BroadcastLoss, DPFedAvg):
 
     def clip_rule(self, context: RoundContext) -> ClipRule:
         """Fair clipping with this round's broadcast loss ``F̄_t`` (Eq. 11-13)."""
-        return FairClip(self.max_grad_norm, fairness_weight=self.fairness_weight,
+        return FairClip(self.mechanism.max_grad_norm, fairness_weight=self.fairness_weight,
                         broadcast_loss=context.broadcast["loss"], mode=self.fair_clip_mode)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import GradTerm, GradTermMixin
 from fedfdp.errors import require
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.types import RoundContext
 
 
@@ -32,33 +31,16 @@ class _Proximal(GradTermMixin):
 
 
 class FedProx(_Proximal, FedAvg):
-    """Non-private FedProx.
+    """FedProx; with ``privacy``, DP-FedProx (the proximal term added to each private step's gradient).
 
     Args:
         mu: proximal weight μ ≥ 0 (spec §6: 0.01; μ = 0 is FedAvg).
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
     """
 
     def __init__(self, *, mu: float = 0.01, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
-                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
+                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
+                 privacy: SampleLevelDP | None = None) -> None:
         super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_mu(mu)
-
-
-class DPFedProx(_Proximal, DPFedAvg):
-    """FedProx with sample-level DP-SGD local steps (flat clip C, noise σC, Poisson q).
-
-    Args:
-        mu: proximal weight μ ≥ 0.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
-    """
-
-    def __init__(self, *, mu: float = 0.01, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
-                 noise_multiplier: float = 2.0, local_steps: int = 1, normalize_by: NormalizeBy = "expected",
-                 normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_mu(mu)

@@ -4,13 +4,13 @@ The run's rounds are split in two phases at the *switch round* ``t_s = T − ⌈
 rounds the budget allows, ``f`` = ``finetune_fraction``, fixed at the first round and kept in the
 checkpoint):
 
-* rounds ``t < t_s``: DP-FedAvg, unchanged (:class:`~fedfdp.algorithms.dpfedavg.DPFedAvg`);
+* rounds ``t < t_s``: DP-FedAvg, unchanged (:class:`~fedfdp.algorithms.fedavg.FedAvg` with ``privacy``);
 * at ``t_s`` the server takes the *released* global model ``w̄`` (the EMA of the global weights
   with ``model.ema_decay``, else ``w_{t_s}``), public because it is a function of charged
   releases, and sends it to every client (:meth:`public_server_state`);
 * rounds ``t ≥ t_s``: each client i fine-tunes its own copy ``v_i`` (started at ``w̄``) with the
   same DP-SGD steps (Poisson rate q, clip C, noise ``N(0, (σC)² I)``, ``local_steps`` per round)
-  at learning rate ``finetune_lr``, as :class:`~fedfdp.algorithms.local.DPLocalOnly` does from
+  at learning rate ``finetune_lr``, as :class:`~fedfdp.algorithms.local.LocalOnly` with ``privacy`` does from
   ``w_0``; nothing is aggregated and each client is evaluated on ``v_i``.
 
 ``f = 0`` is DP-FedAvg; ``f = 1`` is local-only DP-SGD from ``w_0`` (``t_s = 0``). Every round
@@ -29,9 +29,10 @@ from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 
 from fedfdp.algorithms.client_state import ClientStateStore
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.client import trainable
 from fedfdp.errors import require
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
 
@@ -54,25 +55,27 @@ def switch_round(total_rounds: int, finetune_fraction: float) -> int:
     return total_rounds - math.ceil(finetune_fraction * total_rounds)
 
 
-class DPFedAvgFineTune(DPFedAvg):
+class DPFedAvgFineTune(FedAvg):
     """DP-FedAvg for the first rounds, then each client fine-tunes the released model with DP-SGD.
 
     Args:
         finetune_fraction: f in [0, 1], the share of the run's rounds (the last ones) spent on
             per-client fine-tuning.
         finetune_lr: the fine-tuning steps' learning rate (``null``: ``lr``). Without the server's
-            momentum it is the whole step, as for :class:`~fedfdp.algorithms.local.DPLocalOnly`.
-        **dp_fedavg: DP-FedAvg's arguments (lr, sample_rate, max_grad_norm, noise_multiplier, ...).
+            momentum it is the whole step, as for :class:`~fedfdp.algorithms.local.LocalOnly` with ``privacy``.
+        lr: as for :class:`FedAvg` (default 1.0).
+        privacy: the mechanism, required (:class:`fedfdp.privacy.SampleLevelDP`).
     """
 
+    runs_without_privacy = False
     supports_distributed = False  # per-client models kept by local_update (see Algorithm)
     #: Each evaluated model is the released global model (EMA), or that model followed by the
     #: client's own chain of charged DP-SGD steps.
     evaluated_models_covered: ClassVar[bool] = True
 
     def __init__(self, *, finetune_fraction: float = 0.2, finetune_lr: float | None = None,
-                 **dp_fedavg: Any) -> None:
-        super().__init__(**dp_fedavg)
+                 lr: float = 1.0, privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, privacy=privacy)
         require(math.isfinite(finetune_fraction) and 0 <= finetune_fraction <= 1,
                 f"algorithm.finetune_fraction must be in [0, 1], got {finetune_fraction}")
         require(finetune_lr is None or (math.isfinite(finetune_lr) and finetune_lr > 0),

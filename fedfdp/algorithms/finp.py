@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.finp_client import RegularisedClient
 from fedfdp.algorithms.finp_math import (LipschitzEstimator, ala_weights, curvature_stats, gram_matrix,
                                          overfitting_rank, pca_distances, pca_weights)
 from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
-from fedfdp.privacy.release import NormalizeBy, gaussian_sum_release
+from fedfdp.privacy.release import gaussian_sum_release
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.sia_metrics import cov
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask, torch_generator
@@ -84,14 +84,14 @@ class _FinPMixin:
     def local_update(self, client: Any, data: ClientData, context: RoundContext, generator: Any) -> ClientUpdate:
         """The base loop with the penalty attached, then the curvature upload."""
         rho = context.broadcast.get(f"rho/{data.client_id}", self.rho_init)
-        private = isinstance(self, DPFedAvg)
+        private = self.privacy is not None
         coeff = self.beta * rho if self.client_reg else 0.0
         wrapped = RegularisedClient(client, coeff, self.estimator, self.scaling,
                                      getattr(self, "dp_loss_constant", None) if private else None)
         update = super().local_update(wrapped, data, context, generator)  # type: ignore[misc]
         if self.needs_curvature:
             update.extras["finp_curvature"] = self._curvature(client, data, context.round)
-            if not any(kind == CURVATURE_RELEASE for kind, _ in update.dp_events):  # DPFedAvg adds planned ones
+            if not any(kind == CURVATURE_RELEASE for kind, _ in update.dp_events):  # a private client_update adds the planned ones
                 update.dp_events.extend(self._curvature_events(data.size))
         update.diagnostics["finp_rho"] = rho
         return update
@@ -101,12 +101,12 @@ class _FinPMixin:
         exact (not private) otherwise."""
         fields = dict(super().upload_privacy())  # type: ignore[misc]
         if self.needs_curvature:
-            fields["extras.finp_curvature"] = CURVATURE_RELEASE if isinstance(self, DPFedAvg) else None
+            fields["extras.finp_curvature"] = CURVATURE_RELEASE if self.privacy is not None else None
         return fields
 
     def _curvature(self, client: Any, data: ClientData, round_idx: int) -> Tensor:
         gen = torch_generator(self._seed, "finp-curvature", round_idx, data.client_id)
-        if isinstance(self, DPFedAvg):
+        if self.privacy is not None:
             source = self._generator("finp-curvature-release", round_idx, data.client_id) if self._generator else gen
             mask = poisson_mask(data.size, min(1.0, self.curvature_samples / data.size), source)
             idx = mask.nonzero().flatten()
@@ -117,7 +117,7 @@ class _FinPMixin:
             stats = torch.tensor(curvature_stats(client.net, client.per_sample_loss, data.x[idx], data.y[idx],
                                                  max_iter=self.curvature_iters, tol=self.curvature_tol,
                                                  generator=gen), dtype=torch.float64)
-        if isinstance(self, DPFedAvg):
+        if self.privacy is not None:
             bound = self.curvature_bound
             sensitivity = math.sqrt(2) * bound  # of the 2-vector: √2 C_h
             # noise std σ_h √2 C_h, from the client's source on its device; the 2-vector stays on the host
@@ -128,7 +128,7 @@ class _FinPMixin:
         return stats
 
     def _curvature_events(self, size: int) -> list[tuple[str, DPEvent]]:
-        if not isinstance(self, DPFedAvg) or not self.needs_curvature:
+        if self.privacy is None or not self.needs_curvature:
             return []
         rate = min(1.0, self.curvature_samples / size)
         return [(CURVATURE_RELEASE, DPEvent(noise_multiplier=self.curvature_noise_multiplier, sample_rate=rate))]
@@ -179,7 +179,9 @@ class _FinPMixin:
 
 
 class FinP(_FinPMixin, FedAvg):
-    """Non-private FinP (the paper's setting). ``server_agg``/``client_reg`` give the §1.8 rows.
+    """FinP (the paper's setting is non-private; ``server_agg``/``client_reg`` give the §1.8 rows). With
+    ``privacy``, FinP on DP-SGD clients: the penalty gradient is post-processing, the curvature upload
+    a release of its own (clip ``C_h``, noise ``σ_h √2 C_h``, charged).
 
     Args:
         beta: impact factor β (paper: 2 for HAR, 0.1 for CIFAR ResNet).
@@ -193,61 +195,37 @@ class FinP(_FinPMixin, FedAvg):
         curvature_tol: relative stopping tolerance (code 1e-3; later 5e-3).
         pca_q: exponent q of ‖p − mean p‖^q (2 = code, 1 = Eq. 4).
         pca_gamma: weight γ of the mean-distance term (0 = code, 1 = Eq. 4).
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        curvature_bound: C_h, each statistic is clipped to [0, C_h] before noising (with privacy).
+        curvature_noise_multiplier: σ_h; noise std per statistic σ_h √2 C_h (with privacy).
+        dp_loss_constant: the data-independent stand-in for CE in ``loss_ratio`` scaling (with privacy).
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
     """
 
     def __init__(self, *, beta: float = 2.0, client_reg: bool = True, server_agg: ServerAgg = "pca",
                  estimator: LipschitzEstimator = "rownorm_product",
-                 scaling: Literal["loss_ratio", "raw"] = "loss_ratio", rho_init: float = 0.5, curvature_samples: int = 64, curvature_iters: int = 20,
-                 curvature_tol: float = 5e-3, pca_q: int = 2, pca_gamma: float = 0.0, lr: float = 0.1,
-                 local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",
-                 sample_rate: float = 0.05) -> None:
+                 scaling: Literal["loss_ratio", "raw"] = "loss_ratio", rho_init: float = 0.5, curvature_samples: int = 64,
+                 curvature_iters: int = 20, curvature_tol: float = 5e-3, pca_q: int = 2, pca_gamma: float = 0.0,
+                 curvature_bound: float = 10.0, curvature_noise_multiplier: float = 2.0, dp_loss_constant: float = 1.0,
+                 lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",
+                 sample_rate: float = 0.05, privacy: SampleLevelDP | None = None) -> None:
         FedAvg.__init__(self, lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                        sample_rate=sample_rate)
-        self._init_finp(beta=beta, client_reg=client_reg, server_agg=server_agg, estimator=estimator, scaling=scaling,
-                        rho_init=rho_init, curvature_samples=curvature_samples, curvature_iters=curvature_iters,
-                        curvature_tol=curvature_tol, pca_q=pca_q, pca_gamma=pca_gamma)
-
-
-class DPFinP(_FinPMixin, DPFedAvg):
-    """FinP on DP-SGD clients: the penalty gradient is post-processing; the curvature upload is a release.
-
-    Args:
-        curvature_bound: C_h, each statistic is clipped to [0, C_h] before noising.
-        curvature_noise_multiplier: σ_h; noise std per statistic σ_h √2 C_h.
-        dp_loss_constant: the data-independent stand-in for CE in ``loss_ratio`` scaling.
-        beta, client_reg, server_agg, estimator, scaling, rho_init, curvature_samples, curvature_iters,
-            curvature_tol, pca_q, pca_gamma: as for :class:`FinP`.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by, normalize_constant:
-            as for :class:`DPFedAvg`.
-    """
-
-    def __init__(self, *, curvature_bound: float = 10.0, curvature_noise_multiplier: float = 2.0,
-                 dp_loss_constant: float = 1.0, beta: float = 2.0, client_reg: bool = True,
-                 server_agg: ServerAgg = "pca", estimator: LipschitzEstimator = "rownorm_product",
-                 scaling: Literal["loss_ratio", "raw"] = "loss_ratio", rho_init: float = 0.5,
-                 curvature_samples: int = 64, curvature_iters: int = 20, curvature_tol: float = 5e-3, pca_q: int = 2,
-                 pca_gamma: float = 0.0, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
-                 noise_multiplier: float = 2.0, local_steps: int = 1, normalize_by: NormalizeBy = "expected",
-                 normalize_constant: float = 64.0) -> None:
-        DPFedAvg.__init__(self, lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                          noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                          normalize_constant=normalize_constant)
+                        sample_rate=sample_rate, privacy=privacy)
         require(0 < curvature_bound < math.inf, f"algorithm.curvature_bound must be finite and > 0, got {curvature_bound}")
         require(curvature_noise_multiplier > 0,
                 f"algorithm.curvature_noise_multiplier must be > 0, got {curvature_noise_multiplier}")
-        self.curvature_bound, self.curvature_noise_multiplier = curvature_bound, curvature_noise_multiplier
         require(dp_loss_constant > 0, f"algorithm.dp_loss_constant must be > 0 (a stand-in for a loss), got "
                                       f"{dp_loss_constant}")
+        self.curvature_bound, self.curvature_noise_multiplier = curvature_bound, curvature_noise_multiplier
         self.dp_loss_constant = dp_loss_constant
         self._init_finp(beta=beta, client_reg=client_reg, server_agg=server_agg, estimator=estimator, scaling=scaling,
                         rho_init=rho_init, curvature_samples=curvature_samples, curvature_iters=curvature_iters,
                         curvature_tol=curvature_tol, pca_q=pca_q, pca_gamma=pca_gamma)
 
     def dp_releases(self) -> list[DPRelease]:
-        """The model update and, when ρ is used, the curvature statistics (clip C_h, noise σ_h √2 C_h)."""
+        """The model update and, when private and ρ is used, the curvature statistics (clip C_h, noise
+        σ_h √2 C_h)."""
         releases = super().dp_releases()
-        if self.needs_curvature:
+        if self.privacy is not None and self.needs_curvature:
             releases.append(DPRelease(name="curvature upload", noise_field="algorithm.curvature_noise_multiplier",
                                       noise_multiplier=self.curvature_noise_multiplier,
                                       bound_field="algorithm.curvature_bound", clip_bound=self.curvature_bound,

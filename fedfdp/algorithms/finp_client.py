@@ -1,7 +1,7 @@
 """FinP's client-side penalty attached to the shared local loops (spec §1.4, estimators A/B).
 
 :class:`RegularisedClient` wraps a :class:`fedfdp.client.ClientModule` so that every local step of
-:class:`FedAvg` / :class:`DPFedAvg` gets ``grad_transform``: ``g ← g + β ρ_k s ∇_θ log L(θ)`` where
+:class:`FedAvg` (private or not) gets ``grad_transform``: ``g ← g + β ρ_k s ∇_θ log L(θ)`` where
 ``log L`` is :func:`fedfdp.algorithms.finp_math.log_lipschitz_bound` (weights only). ``s`` is the batch CE
 (``loss_ratio``, non-private: the value reaches the transform through ``LocalBatch.loss_scale``,
 which returns 1 and so leaves the CE step unchanged), ``L`` itself (``raw``), or a constant under

@@ -1,6 +1,6 @@
 """Data-independent gradient terms added after privatisation (FedProx, SCAFFOLD, FedDyn, Ditto).
 
-The shipped local loops (:class:`FedAvg`, :class:`DPFedAvg`) build one :class:`LocalBatch` per
+The shipped local loops (:class:`FedAvg`'s, private or not) build one :class:`LocalBatch` per
 step. :class:`GradTermMixin` runs that same loop with a client wrapper that attaches a
 ``grad_transform`` to every batch: ``g ← g + term(w)``, where ``g`` is the plain mini-batch
 gradient (non-private) or the clipped, noised and normalised gradient (private), and ``term``

@@ -7,16 +7,16 @@ The baseline every federated method must beat (issue 23): what a client gets by 
   part of every checkpoint.
 * **Client half**: client i starts from ``v_i`` (:meth:`client_start_params`; ``w_0`` before its
   first round) and runs the parent's local loop unchanged: FedAvg's (``local_epochs`` of
-  mini-batch SGD, or one Poisson batch) for :class:`LocalOnly`, DP-FedAvg's (``local_steps``
-  DP-SGD steps: Poisson sampling at q, per-sample clipping at C, noise ``N(0, (σC)² I)``) for
-  :class:`DPLocalOnly`. The result is kept as ``v_i``.
+  mini-batch SGD, or one Poisson batch) without privacy, the mechanism's (``local_steps``
+  DP-SGD steps: Poisson sampling at q, per-sample clipping at C, noise ``N(0, (σC)² I)``) with
+  ``privacy=SampleLevelDP(...)``. The result is kept as ``v_i``.
 * **Server half**: :meth:`aggregate` returns ``w_t`` itself, so the server optimizer gets a zero
   pseudo-gradient and the global model stays ``w_0``. Setup refuses a server optimizer that would
   move it anyway (weight decay) and ``model.ema_decay`` (an average of the global model, which is
   never trained nor evaluated here).
 * **Evaluation**: each client on its own ``v_i`` (:meth:`evaluation_groups`); a client not yet
   sampled (``model.clients_per_round``) on ``w_0``.
-* **Privacy** (:class:`DPLocalOnly`): each round's DP-SGD steps are DP-FedAvg's, with the same DP
+* **Privacy** (``privacy=SampleLevelDP(...)``): each round's DP-SGD steps are DP-FedAvg's, with the same DP
   events on the same ledger, so a run's ε is DP-FedAvg's for the same q, σ, steps and rounds. The
   framework still hands each client's result to the callbacks as an upload (charged before it
   leaves, as for DP-FedAvg) but the server discards it. Every evaluated model is a function of
@@ -33,24 +33,23 @@ import torch
 from torch import Tensor
 
 from fedfdp.algorithms.client_state import ClientStateStore
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.errors import require
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.seeding import RandomSource
 from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.interfaces import FederationView
 
-__all__ = ["DPLocalOnly", "LocalOnly"]
+__all__ = ["LocalOnly"]
 
 _MODEL = "local"
 """Name of a client's own model in the :class:`ClientStateStore`."""
 
 
 class _LocalOnly:
-    """The local-only parts shared by :class:`LocalOnly` and :class:`DPLocalOnly` (a mixin before the parent)."""
+    """The local-only parts of :class:`LocalOnly` (a mixin before the parent)."""
 
     supports_distributed = False  # per-client models kept by local_update (see Algorithm)
 
@@ -120,35 +119,27 @@ class _LocalOnly:
 
 
 class LocalOnly(_LocalOnly, FedAvg):
-    """Non-private local-only training: each client runs FedAvg's local loop on its own model.
+    """Local-only training: each client runs FedAvg's local loop on its own model; with ``privacy``,
+    the mechanism's private steps, charged alike (local-only DP-SGD).
 
     Args:
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`. Without
+            the server's momentum, a private run's ``lr`` is the whole step (DP-FedAvg with server SGD
+            lr s and momentum m steps ``lr·s/(1 − m)``).
     """
 
-    def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
-                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
-        super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_local()
-
-
-class DPLocalOnly(_LocalOnly, DPFedAvg):
-    """Local-only DP-SGD: each client runs DP-FedAvg's private steps on its own model, charged alike.
-
-    Args:
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`. Without the server's momentum, ``lr`` is
-            the whole step (DP-FedAvg with server SGD lr s and momentum m steps ``lr·s/(1 − m)``).
-    """
-
-    #: Every evaluated model is the client's own chain of charged DP-SGD steps from w_0.
+    #: With privacy every evaluated model is the client's own chain of charged DP-SGD steps from w_0
+    #: (without, none is private: :meth:`covers_evaluated_models`). On the class, so that a subclass
+    #: that overrides an evaluation hook loses it (fail-closed, :meth:`Algorithm.covers_evaluated_models`).
     evaluated_models_covered: ClassVar[bool] = True
 
-    def __init__(self, *, lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
-                 noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+    def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
+                 local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
+                 privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_local()
+
+    def covers_evaluated_models(self) -> bool:
+        """The class's declaration, for a private run only."""
+        return self.privacy is not None and super().covers_evaluated_models()

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedfdp.algorithms.dpfedavg import DPFedAvg
+from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.errors import require
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.privacy.release import noisy_histogram_release
@@ -45,22 +46,25 @@ __all__ = ["DPFedAvgPriorCorrection"]
 logger = logging.getLogger(__name__)
 
 
-class DPFedAvgPriorCorrection(DPFedAvg):
+class DPFedAvgPriorCorrection(FedAvg):
     """DP-FedAvg whose clients correct the global model's logits with their DP label prior.
 
     Args:
         prior_noise_multiplier: σ_h, the noise std on each label count (sensitivity 1).
         prior_strength: τ, the weight of the log-prior correction (0: plain DP-FedAvg predictions).
-        **dp_fedavg: DP-FedAvg's arguments (lr, sample_rate, max_grad_norm, noise_multiplier, ...).
+        lr: as for :class:`FedAvg` (default 1.0).
+        privacy: the mechanism, required (:class:`fedfdp.privacy.SampleLevelDP`).
     """
 
+    runs_without_privacy = False
     supports_distributed = False  # the histograms are released on the process that holds every client
     #: Each client evaluates the released global model with offsets computed from its charged
     #: noisy label histogram and the public sum of all of them (post-processing).
     evaluated_models_covered: ClassVar[bool] = True
 
-    def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0, **dp_fedavg: Any) -> None:
-        super().__init__(**dp_fedavg)
+    def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0,
+                 lr: float = 1.0, privacy: SampleLevelDP | None = None) -> None:
+        super().__init__(lr=lr, privacy=privacy)
         require(math.isfinite(prior_noise_multiplier) and prior_noise_multiplier > 0,
                 f"algorithm.prior_noise_multiplier must be finite and > 0, got {prior_noise_multiplier}")
         require(math.isfinite(prior_strength) and prior_strength >= 0,

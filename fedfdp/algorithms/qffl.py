@@ -21,10 +21,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from fedfdp.aggregate import aggregation_weights
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.errors import require
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.types import ClientUpdate, RoundContext
 
 
@@ -59,44 +58,25 @@ class _QFair:
 
 
 class QFFL(_QFair, FedAvg):
-    """Non-private q-FedAvg.
+    """q-FedAvg; with ``privacy``, DP-SGD local steps and a privatised, accounted ``F_i(w_t)``.
 
     Args:
         q: fairness exponent q ≥ 0 (spec §6: 1; q = 0 is FedAvg).
         lipschitz: Lipschitz estimate L (null: 1/lr, as the paper).
-        loss_floor: lower bound applied to the reported loss.
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        loss_floor: lower bound applied to the reported (under DP: released, noisy) loss.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
     """
 
-
-    required_callbacks = ("callbacks.GlobalLossReporting",)
+    @property
+    def required_callbacks(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The loss report (noisy and accounted when private)."""
+        if self.privacy is None:
+            return ("callbacks.GlobalLossReporting",)
+        return ("callbacks.RDPAccounting", "callbacks.NoisyGlobalLossReporting")
 
     def __init__(self, *, q: float = 1.0, lipschitz: float | None = None, loss_floor: float = 1e-3,
                  lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64, local_mode: LocalMode = "epoch",
-                 sample_rate: float = 0.05) -> None:
+                 sample_rate: float = 0.05, privacy: SampleLevelDP | None = None) -> None:
         super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_q(q, lipschitz, loss_floor)
-
-
-class DPQFFL(_QFair, DPFedAvg):
-    """q-FedAvg with DP-SGD local steps and a privatised, accounted ``F_i(w_t)``.
-
-    Args:
-        q: fairness exponent q ≥ 0.
-        lipschitz: Lipschitz estimate L (null: 1/lr).
-        loss_floor: lower bound applied to the released (noisy) loss.
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
-    """
-
-    required_callbacks = ("callbacks.RDPAccounting", "callbacks.NoisyGlobalLossReporting")
-
-    def __init__(self, *, q: float = 1.0, lipschitz: float | None = None, loss_floor: float = 1e-3,
-                 lr: float = 1.0, sample_rate: float = 0.05, max_grad_norm: float = 0.1,
-                 noise_multiplier: float = 2.0, local_steps: int = 1, normalize_by: NormalizeBy = "expected",
-                 normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_q(q, lipschitz, loss_floor)

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from fedfdp.algorithms.client_state import ClientStateStore
-from fedfdp.algorithms.dpfedavg import DPFedAvg
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import GradTerm, GradTermMixin
-from fedfdp.privacy.release import NormalizeBy
+from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import ClientUpdate, RoundContext
 
@@ -101,34 +100,17 @@ class _Scaffold(GradTermMixin):
 
 
 class Scaffold(_Scaffold, FedAvg):
-    """Non-private SCAFFOLD (option II).
+    """SCAFFOLD (option II); with ``privacy``, DP-SGD local steps, the control variates post-processing
+    of the released models.
 
     Args:
         freeze_control_variates: keep ``c = c_i = 0`` (SCAFFOLD ≡ FedAvg; for tests/ablation).
-        lr, local_epochs, batch_size, local_mode, sample_rate: as for :class:`FedAvg`.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
     """
-
 
     def __init__(self, *, freeze_control_variates: bool = False, lr: float = 0.1, local_epochs: int = 1,
-                 batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05) -> None:
+                 batch_size: int = 64, local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
+                 privacy: SampleLevelDP | None = None) -> None:
         super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
-                         sample_rate=sample_rate)
-        self._init_scaffold(freeze_control_variates)
-
-
-class DPScaffold(_Scaffold, DPFedAvg):
-    """SCAFFOLD with DP-SGD local steps; control variates are post-processing of released models.
-
-    Args:
-        freeze_control_variates: keep ``c = c_i = 0`` (DP-SCAFFOLD ≡ DP-FedAvg).
-        lr, sample_rate, max_grad_norm, noise_multiplier, local_steps, normalize_by,
-            normalize_constant: as for :class:`DPFedAvg`.
-    """
-
-    def __init__(self, *, freeze_control_variates: bool = False, lr: float = 1.0, sample_rate: float = 0.05,
-                 max_grad_norm: float = 0.1, noise_multiplier: float = 2.0, local_steps: int = 1,
-                 normalize_by: NormalizeBy = "expected", normalize_constant: float = 64.0) -> None:
-        super().__init__(lr=lr, sample_rate=sample_rate, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier, local_steps=local_steps, normalize_by=normalize_by,
-                         normalize_constant=normalize_constant)
+                         sample_rate=sample_rate, privacy=privacy)
         self._init_scaffold(freeze_control_variates)

@@ -36,6 +36,7 @@ from callbacks.interrupt import GracefulInterrupt
 from callbacks.progress import RoundProgressBar
 from callbacks.summary import ClientTableLogger, RunSummary
 from datamodules.federated import FederatedDataModule
+from fedfdp.algorithms.retired import upgrade_config
 from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.checkpoint import check_checkpoint
 from fedfdp.cli.errors import explain_parse_error, fedfdp_cause, one_line
@@ -168,13 +169,14 @@ class FedFDPCLI(LightningCLI):
         return yaml.safe_load(self.parser.dump(config, skip_none=False)) or {}
 
     def _saved_config(self, run_dir: Path) -> dict[str, Any]:
-        """``run_dir/config.yaml`` as this version reads it (options it lacks get today's defaults).
+        """``run_dir/config.yaml`` as this version reads it (options it lacks get today's defaults; an
+        algorithm of the spelling before ``privacy=`` in today's, :mod:`fedfdp.algorithms.retired`).
 
         A saved top-level option that this version no longer has is dropped when it is null.
         """
         path = run_dir / CONFIG_NAME
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = upgrade_config(yaml.safe_load(path.read_text()) or {})  # a run saved before privacy= reads as today's
         except (OSError, yaml.YAMLError) as err:
             raise ConfigError(f"cannot read {path} to check the resume: {one_line(str(err))}") from err
         known = set(self._dump(self.config))

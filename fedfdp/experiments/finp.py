@@ -61,11 +61,14 @@ class Dataset:
         def init_args(path: str | None) -> dict[str, Any]:
             return yaml.safe_load(Path(path).read_text())["model"]["algorithm"]["init_args"] if path else {}
 
+        def sigma(args: dict[str, Any]) -> str:
+            mechanism = (args.get("privacy") or {}).get("init_args") or {}
+            return f"{mechanism['noise_multiplier']:g}" if "noise_multiplier" in mechanism else "?"
+
         finp, dp, local_dp = init_args(self.config), init_args(self.dp_config), init_args(self.local_dp_config)
         return {"beta": f"{finp.get('beta', '?'):g}" if "beta" in finp else "?",
                 "dp_beta": f"{dp['beta']:g}" if "beta" in dp else "?",
-                "sigma": f"{dp['noise_multiplier']:g}" if "noise_multiplier" in dp else "?",
-                "local_sigma": f"{local_dp['noise_multiplier']:g}" if "noise_multiplier" in local_dp else "?"}
+                "sigma": sigma(dp), "local_sigma": sigma(local_dp)}
 
 
 # FinP with both parts off is FedAvg exactly (same loop and local optimizer, n_k weights, nothing extra uploaded)
@@ -96,7 +99,7 @@ ROWS: dict[str, tuple[str, str, str, list[str]]] = {
     "finp_ala_b0.1": ("beta", "FinP (ALA, β=0.1)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.1"]),
     "finp_ala_b0.5": ("beta", "FinP (ALA, β=0.5)", CONFIG, [A + "server_agg", "ala", A + "beta", "0.5"]),
     "finp_ala_b8": ("beta", "FinP (ALA, β=8)", CONFIG, [A + "server_agg", "ala", A + "beta", "8"]),
-    "dpfedavg": ("dp", "DP-FedAvg (σ={sigma})", DP_CONFIG, ["--model.algorithm", "fedfdp.algorithms.DPFedAvg"]),
+    "dpfedavg": ("dp", "DP-FedAvg (σ={sigma})", DP_CONFIG, ["--model.algorithm", "fedfdp.algorithms.FedAvg"]),
     "dpfinp_server_ala": ("dp", "FinP_server (ALA) + DP-SGD", DP_CONFIG, [A + "client_reg", "false"]),
     "dpfinp_ala_b0.1": ("dp", "FinP (ALA, β=0.1) + DP-SGD", DP_CONFIG, [A + "beta", "0.1"]),
     "dpfinp_ala": ("dp", "FinP (ALA, β={dp_beta}) + DP-SGD", DP_CONFIG, []),

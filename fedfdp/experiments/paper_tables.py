@@ -77,7 +77,7 @@ def _epsilons(datasets: Sequence[str]) -> list[Column]:
     for d in datasets:
         for eps, sigma in ((1, 2.0), (2, 2.0), (3, 2.0), (4, 1.65)):
             cols.append(Column(f"{DATASETS[d]} eps={eps}", d, {f"callback:{ACCOUNTANT}.target_epsilon": float(eps),
-                                                               "model.algorithm.init_args.noise_multiplier": sigma}))
+                                                               "model.algorithm.init_args.privacy.init_args.noise_multiplier": sigma}))
     return cols
 
 
@@ -108,6 +108,14 @@ def config_path(config_dir: Path, dataset: str, stem: str) -> Path:
     return path if path.exists() or stem != "fedfdp" else config_dir / f"{dataset}.yaml"
 
 
+def _node(config: dict[str, Any], path: list[str]) -> dict[str, Any]:
+    """The dictionary at ``path`` in ``config`` (empty where it is missing)."""
+    node: Any = config
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted keys; ``callback:<class_path>.<arg>`` sets an init arg of that trainer callback."""
     for key, value in overrides.items():
@@ -117,12 +125,13 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
             for cb in matches:
                 cb.setdefault("init_args", {})[arg] = value
             continue
+        mechanism, _, _ = key.partition(".privacy.")
+        if key != mechanism and not isinstance(_node(config, mechanism.split(".")).get("privacy"), dict):
+            continue  # a non-private method: the mechanism's options (σ) do not apply
         node = config
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        if leaf == "noise_multiplier" and "noise_multiplier" not in node and "max_grad_norm" not in node:
-            continue  # a non-private method: σ does not apply
         node[leaf] = value
     return config
 

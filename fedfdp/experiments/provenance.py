@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from fedfdp.algorithms.retired import upgrade_config
+
 from fedfdp.experiments.search_space import apply_overrides
 from fedfdp.rundir import CONFIG_NAME, HARMLESS
 
@@ -103,7 +105,7 @@ def trained_config(spec: PlannedRun) -> dict[str, Any]:
 
 
 def _same_class(asked: str, saved: str) -> bool:
-    """Whether two ``class_path`` spellings name one class (``fedfdp.algorithms.DPFedAvg`` and the
+    """Whether two ``class_path`` spellings name one class (``fedfdp.algorithms.FedAvg`` and the
     module it is defined in; a bare class name, as jsonargparse accepts one, against its full path)."""
     def load(path: str) -> Any:
         module, _, name = path.rpartition(".")
@@ -167,5 +169,6 @@ def saved_config_differences(spec: PlannedRun) -> list[str]:
     if not isinstance(saved, dict):
         return [f"{CONFIG_NAME}: not a configuration (a YAML mapping)"]
     out: list[str] = []
-    _differences(trained_config(spec), saved, "", out)
+    # both sides in today's spelling: a run saved before privacy= (fedfdp.algorithms.retired) trained the same
+    _differences(upgrade_config(trained_config(spec)), upgrade_config(saved), "", out)
     return out

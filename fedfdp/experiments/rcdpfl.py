@@ -8,9 +8,9 @@ failed run is reported and the others go on). The generated config,
 with the seed, the round count and ``RDPAccounting.target_epsilon`` set (a config without an
 accountant is a non-private reference, ``local_nodp``: run once per seed as
 ``<dataset>_<method>_s<seed>``, whatever ``--epsilons``); the clustered algorithms
-calibrate z_i for that target themselves (two-stage for RC-DPFL), and DPFedAvg gets here the
+calibrate z_i for that target themselves (two-stage for RC-DPFL), and DP-FedAvg gets here the
 smallest z whose whole-run schedule (the algorithm's own per-round events,
-``DPFedAvg.planned_dp_events``, over the run's rounds) meets the target
+``FedAvg.planned_dp_events`` with its ``privacy``, over the run's rounds) meets the target
 (:func:`fedfdp.privacy.schedule.calibrate_noise_multiplier`). Columns (spec §5, in %):
 All / Maj / Min mean test accuracy, worst client, max−min disparity, F_acc / F_loss (privacy-cost
 spread against the non-private per-cluster reference models), clustering accuracy of the final
@@ -76,8 +76,19 @@ def _callback(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _algorithm(class_path: str, init_args: dict[str, Any]) -> Any:
+    """The algorithm of a config node (its ``privacy`` node instantiated too)."""
     module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)(**init_args)
+    args = dict(init_args)
+    if isinstance(args.get("privacy"), dict):
+        args["privacy"] = _algorithm(args["privacy"]["class_path"], args["privacy"].get("init_args") or {})
+    return getattr(importlib.import_module(module), name)(**args)
+
+
+def _with_noise(algorithm: dict[str, Any], z: float) -> dict[str, Any]:
+    """``init_args`` of a private algorithm node with its mechanism's σ set to ``z``."""
+    privacy = algorithm["init_args"]["privacy"]
+    return {**algorithm["init_args"], "privacy": {**privacy, "init_args": {**(privacy.get("init_args") or {}),
+                                                                             "noise_multiplier": z}}}
 
 
 def one_stage_noise_multiplier(algorithm: dict[str, Any], *, rounds: int, epsilon: float, delta: float,
@@ -87,7 +98,7 @@ def one_stage_noise_multiplier(algorithm: dict[str, Any], *, rounds: int, epsilo
     (``planned_dp_events``, as the accountant charges them) repeated ``rounds`` times."""
 
     def schedule(z: float) -> list[DPEvent]:
-        per_round = _algorithm(algorithm["class_path"], {**algorithm["init_args"], "noise_multiplier": z})
+        per_round = _algorithm(algorithm["class_path"], _with_noise(algorithm, z))
         return [event.repeated(rounds) for _, event in per_round.planned_dp_events(client_id=0, dataset_size=1)]
 
     return calibrate_noise_multiplier(schedule, target_epsilon=epsilon, delta=delta, orders=orders)
@@ -101,7 +112,7 @@ def is_private(config: dict[str, Any]) -> bool:
 
 
 def make_config(base: Path, *, seed: int, epsilon: float | None, rounds: int | None) -> dict[str, Any]:
-    """The base config with the seed, rounds and target ε set (and DPFedAvg's one-stage z); a
+    """The base config with the seed, rounds and target ε set (and DP-FedAvg's one-stage z); a
     non-private config (:func:`is_private`) gets only the seed and rounds (``epsilon`` None)."""
     config = yaml.safe_load(base.read_text())
     config["seed_everything"] = seed
@@ -112,13 +123,13 @@ def make_config(base: Path, *, seed: int, epsilon: float | None, rounds: int | N
     accounting = _callback(config, "RDPAccounting")
     accounting["target_epsilon"] = epsilon
     algorithm = config["model"]["algorithm"]
-    if algorithm["class_path"].endswith("DPFedAvg"):
+    if algorithm["class_path"].endswith(".FedAvg") and "privacy" in algorithm.get("init_args", {}):
         from fedfdp.privacy.run_accountant import RunAccountant  # the run's accountant: its δ and RDP orders
 
         accountant = RunAccountant(**accounting)
-        algorithm["init_args"]["noise_multiplier"] = one_stage_noise_multiplier(
+        algorithm["init_args"] = _with_noise(algorithm, one_stage_noise_multiplier(
             algorithm, rounds=int(config["model"]["num_rounds"]), epsilon=epsilon, delta=accountant.delta,
-            orders=accountant.orders)
+            orders=accountant.orders))
     return config
 
 

@@ -32,9 +32,9 @@ DEFAULT_SPACE_YAML = """\
 # Search space of `python -m fedfdp.experiments tune` (dotted config keys, as on the fedfdp.fit
 # command line). The default: a DP-SGD algorithm (FedFDP, DP-FedAvg) on FashionMNIST.
 model.algorithm.init_args.lr: {type: float, low: 0.1, high: 10.0, log: true}             # local lr
-model.algorithm.init_args.max_grad_norm: {type: float, low: 0.01, high: 1.0, log: true}  # C
-model.algorithm.init_args.sample_rate: {type: float, low: 0.01, high: 0.2, log: true}    # q (rounds follow from eps)
-model.algorithm.init_args.local_steps: {type: int, low: 1, high: 4}
+model.algorithm.init_args.privacy.init_args.max_grad_norm: {type: float, low: 0.01, high: 1.0, log: true}  # C
+model.algorithm.init_args.privacy.init_args.sample_rate: {type: float, low: 0.01, high: 0.2, log: true}    # q (rounds follow from eps)
+model.algorithm.init_args.privacy.init_args.local_steps: {type: int, low: 1, high: 4}
 model.ema_decay: {type: categorical, choices: [null, 0.9, 0.95, 0.99]}  # average of w_t (post-processing)
 model.server_optimizer:
   type: categorical

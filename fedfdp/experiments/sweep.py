@@ -15,7 +15,7 @@ grid point's values as dotted overrides; all of them are trained together by :mo
 combination), or a list of such mappings with single values (exactly those points), e.g.::
 
     model.algorithm.init_args.lr: [0.5, 1.0, 2.0]
-    model.algorithm.init_args.max_grad_norm: [0.1, 0.3]
+    model.algorithm.init_args.privacy.init_args.max_grad_norm: [0.1, 0.3]
 
 **Resume.** ``--ckpt_path last`` continues an interrupted sweep: a run whose ``summary.json`` says
 it finished is skipped, a run with ``checkpoints/last.ckpt`` resumes from it, the others start.

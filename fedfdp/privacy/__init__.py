@@ -1,4 +1,8 @@
-"""Privacy maths: per-sample gradients, clip rules, Gaussian releases, RDP accounting, λ*, SIA metrics.
+"""The privacy component: the mechanisms an algorithm is given, and what they rest on.
+
+The mechanisms (``privacy=`` of an algorithm): :class:`SampleLevelDP` (DP-SGD in each client,
+:mod:`fedfdp.privacy.sample_level`). What they rest on: sampling, per-sample gradients, clip
+rules, Gaussian releases, the probe, the channel checks, RDP accounting.
 
 The run's accountant: :class:`PrivacyAccountant` (the interface, :mod:`fedfdp.privacy.accountant`),
 implemented by :class:`fedfdp.privacy.run_accountant.RunAccountant` over the ledger
@@ -10,7 +14,8 @@ from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of
 from fedfdp.privacy.clipping import FairClip, FlatClip, fair_clip_factors, fairness_coefficients, flat_clip_factors
 from fedfdp.privacy.planning import max_rounds
+from fedfdp.privacy.sample_level import PrivacyMechanism, SampleLevelDP
 
-__all__ = ["DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyAccountant", "PrivacyLedger",
+__all__ = ["DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyAccountant", "PrivacyLedger", "PrivacyMechanism", "SampleLevelDP",
            "epsilon_of", "fair_clip_factors", "fairness_coefficients", "find_accountant", "flat_clip_factors",
            "max_rounds"]

@@ -188,8 +188,8 @@ class RunAccountant:
             if problems:
                 raise ConfigError(
                     f"model.algorithm {algorithm}: {problems[0]}, but trainer.callbacks "
-                    f"has callbacks.RDPAccounting, which would report an epsilon for the run; use a DP algorithm "
-                    f"(DPFedAvg, FedFDP, DPFedProx, ...) with its DP callbacks, or remove the DP callbacks, or set "
+                    f"has callbacks.RDPAccounting, which would report an epsilon for the run; give the algorithm "
+                    f"its privacy mechanism (init_args.privacy: fedfdp.privacy.SampleLevelDP), or remove the DP callbacks, or set "
                     f"RDPAccounting.allow_non_private: true to run it for analysis (epsilon inf, dp_valid false)")
             check_releases(releases)
             mixing = sample_mixing_layers(net)

@@ -15,10 +15,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from callbacks import FederationCallback, RDPAccounting
 from fedfdp import Federation
-from fedfdp.algorithms import DPFedAvg, DPFedAvgAdaClip
+from fedfdp.algorithms import DPFedAvgAdaClip, FedAvg
 from fedfdp.algorithms.adaclip import CLIP_COUNT_RELEASE
 from fedfdp.errors import ConfigError
 from fedfdp.fit import main
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.adaptive_clipping import (CountingFlatClip, next_clip_bound, split_noise_multiplier,
                                               unclipped_fraction_estimate)
@@ -27,8 +28,8 @@ from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, RoundContext
 from tests.conftest import REPO
 from tests.helpers import flat, run_federation, tiny_client, tiny_data
 
-DP = dict(lr=0.5, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
-ADA = dict(min_clip_bound=0.05, max_clip_bound=5.0, count_noise_std=2.0, **DP)
+MECHANISM = dict(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+ADA = dict(min_clip_bound=0.05, max_clip_bound=5.0, count_noise_std=2.0)
 SCOPES = pytest.mark.parametrize("scope", ["global", "client"])
 TINY = str(REPO / "tests" / "configs" / "tiny_adaclip.yaml")
 
@@ -48,6 +49,16 @@ class _Record(FederationCallback):
     def on_round_end(self, trainer, federation, context, updates, metrics):
         algorithm = federation.algorithm
         self.bounds.append({c: algorithm.bound(c) for c in range(3)} if hasattr(algorithm, "bound") else {})
+
+
+def dp_fedavg(lr: float = 0.5, **mechanism) -> FedAvg:
+    """DP-FedAvg (FedAvg with the record-level mechanism) at this file's mechanism settings."""
+    return FedAvg(lr=lr, privacy=SampleLevelDP(**{**MECHANISM, **mechanism}))
+
+
+def adaclip(lr: float = 0.5, local_steps: int = 1, **options) -> DPFedAvgAdaClip:
+    """DPFedAvgAdaClip at this file's settings (C_0 = 0.5, σ = 1) with ``options`` over :data:`ADA`."""
+    return DPFedAvgAdaClip(lr=lr, privacy=SampleLevelDP(**MECHANISM, local_steps=local_steps), **{**ADA, **options})
 
 
 def tiny_data_client() -> ClientData:
@@ -87,7 +98,7 @@ def test_the_unclipped_fraction_is_the_uncentred_noisy_count_over_the_expected_b
 def test_one_client_step_matches_a_hand_computation():
     """Replay the step's random draws (mask, model noise, count noise) and the count by hand."""
     torch.manual_seed(0)
-    algorithm = DPFedAvgAdaClip(bound_scope="client", **ADA)
+    algorithm = adaclip(bound_scope="client")
     client = tiny_client()
     data = ClientData(client_id=0, x=torch.randn(120, 1, 8, 8), y=torch.randint(0, 4, (120,)))
     w0 = client.get_flat_params()
@@ -114,7 +125,7 @@ def test_one_client_step_matches_a_hand_computation():
 
 def test_the_global_bound_is_updated_from_the_summed_noisy_counts():
     """(A4')-(A5): f̃ = Σ_i b̃_i / (τ Σ_i q|D_i|) + ½ over the round's uploads, one update per round."""
-    algorithm = DPFedAvgAdaClip(local_steps=2, **ADA)  # global scope, C_0 = 0.5
+    algorithm = adaclip(local_steps=2)  # global scope, C_0 = 0.5
     updates = [ClientUpdate(client_id=i, params=torch.zeros(1), num_examples=n,
                             extras={"adaclip_count": torch.tensor(b, dtype=torch.float64)})
                for i, (n, b) in enumerate([(100, 7.5), (300, -20.0)])]
@@ -148,7 +159,7 @@ def test_each_sample_contributes_at_most_the_current_bound_in_the_real_step(scal
     time) has norm ≤ C_i, whatever the inputs and whichever bound the client has reached; the true
     per-sample gradients (one backward each) times the step's factors agree to float32 rounding."""
     torch.manual_seed(seed)
-    algorithm = DPFedAvgAdaClip(bound_scope="client", **ADA)
+    algorithm = adaclip(bound_scope="client")
     algorithm.bounds[0] = float(torch.empty(()).uniform_(0.05, 5.0))
     client = tiny_client()
     data = ClientData(client_id=0, x=scale * torch.randn(40, 1, 8, 8), y=torch.randint(0, 4, (40,)))
@@ -184,8 +195,7 @@ def test_the_update_never_leaves_the_bounds(start, fractions, gamma, clip_lr):
 @pytest.mark.parametrize(("gamma", "low", "clamp"), [(1.0, 0.05, 5.0), (0.0, 0.49, 0.49)], ids=["up", "down"])
 def test_in_training_the_bounds_reach_the_clamp_and_never_leave_the_range(gamma, low, clamp, scope):
     """A large η_C drives the bounds into a clamp (γ = 1 pushes up to C_max, γ = 0 down to C_min)."""
-    fed, _, record = _fit(DPFedAvgAdaClip(target_quantile=gamma, clip_lr=5.0, bound_scope=scope,
-                                          **{**ADA, "min_clip_bound": low}), rounds=3)
+    fed, _, record = _fit(adaclip(target_quantile=gamma, clip_lr=5.0, bound_scope=scope, min_clip_bound=low), rounds=3)
     seen = [b for bounds in record.bounds for b in bounds.values()] + record.used
     assert all(low <= b <= 5.0 for b in seen)
     assert clamp in seen
@@ -193,8 +203,8 @@ def test_in_training_the_bounds_reach_the_clamp_and_never_leave_the_range(gamma,
 
 # ---- privacy: declared releases and charged events -----------------------------------------------------
 def test_split_accounting_charges_exactly_dp_fedavgs_events_and_epsilon():
-    reference, ref_acc, ref_record = _fit(DPFedAvg(**DP))
-    fed, acc, record = _fit(DPFedAvgAdaClip(**ADA))
+    reference, ref_acc, ref_record = _fit(dp_fedavg())
+    fed, acc, record = _fit(adaclip())
     assert record.events == ref_record.events and record.events
     assert {c: led.events for c, led in acc.ledgers.items()} == {c: led.events for c, led in ref_acc.ledgers.items()}
     assert acc.epsilon() == ref_acc.epsilon() > 0
@@ -210,8 +220,8 @@ def test_split_accounting_charges_exactly_dp_fedavgs_events_and_epsilon():
 
 
 def test_separate_accounting_charges_the_count_as_its_own_event():
-    _, ref_acc, _ = _fit(DPFedAvg(**DP))
-    fed, acc, record = _fit(DPFedAvgAdaClip(count_accounting="separate", **ADA))
+    _, ref_acc, _ = _fit(dp_fedavg())
+    fed, acc, record = _fit(adaclip(count_accounting="separate"))
     count = DPEvent(noise_multiplier=4.0, sample_rate=0.2)  # centred count: sensitivity 1/2, σ_b = 2
     model = DPEvent(noise_multiplier=1.0, sample_rate=0.2)
     assert fed.planned_dp_events(1) == [(MODEL_RELEASE, model), (CLIP_COUNT_RELEASE, count)]
@@ -224,24 +234,24 @@ def test_separate_accounting_charges_the_count_as_its_own_event():
 
 
 def test_adaptation_off_is_dp_fedavg_at_the_normalised_step_bit_for_bit():
-    reference, ref_acc, ref_record = _fit(DPFedAvg(**{**DP, "lr": 0.5 / 0.5}))
-    fed, acc, record = _fit(DPFedAvgAdaClip(adaptive=False, **ADA))
+    reference, ref_acc, ref_record = _fit(dp_fedavg(lr=0.5 / 0.5))
+    fed, acc, record = _fit(adaclip(adaptive=False))
     assert torch.equal(flat(fed.global_model), flat(reference.global_model))
     assert record.events == ref_record.events and acc.epsilon() == ref_acc.epsilon()
     assert fed.algorithm.dp_releases() == reference.algorithm.dp_releases()
-    unnormalised, _, _ = _fit(DPFedAvgAdaClip(adaptive=False, normalized_clipping=False, **ADA))
-    plain, _, _ = _fit(DPFedAvg(**DP))
+    unnormalised, _, _ = _fit(adaclip(adaptive=False, normalized_clipping=False))
+    plain, _, _ = _fit(dp_fedavg())
     assert torch.equal(flat(unnormalised.global_model), flat(plain.global_model))
 
 
 def test_the_zero_count_noise_is_refused_with_one_line():
-    with pytest.raises(ConfigError, match=r"algorithm\.count_noise_std must be > noise_multiplier/2 = 0\.5 with "
-                                          r"count_accounting 'split' \(Andrew et al\. Theorem 1\), got 0\.0") as err:
-        DPFedAvgAdaClip(**{**ADA, "count_noise_std": 0.0})
+    with pytest.raises(ConfigError, match=r"algorithm\.count_noise_std must be > privacy\.noise_multiplier/2 = 0\.5 "
+                                          r"with count_accounting 'split' \(Andrew et al\. Theorem 1\), got 0\.0") as err:
+        adaclip(count_noise_std=0.0)
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"algorithm\.count_noise_std=0\.0: the unclipped-count release would be "
                                           r"released without noise") as err:
-        run_federation(DPFedAvgAdaClip(count_accounting="separate", **{**ADA, "count_noise_std": 0.0}),
+        run_federation(adaclip(count_accounting="separate", count_noise_std=0.0),
                        [RDPAccounting()], rounds=1)
     assert "\n" not in str(err.value)
 
@@ -249,20 +259,22 @@ def test_the_zero_count_noise_is_refused_with_one_line():
 @pytest.mark.parametrize(("options", "message"), [
     (dict(target_quantile=1.5), r"algorithm\.target_quantile must be in \[0, 1\], got 1\.5"),
     (dict(clip_lr=-0.1), r"algorithm\.clip_lr must be finite and >= 0, got -0\.1"),
-    (dict(min_clip_bound=0.0), r"algorithm\.min_clip_bound must be in \(0, max_grad_norm=0\.5\], got 0\.0"),
-    (dict(min_clip_bound=0.6), r"algorithm\.min_clip_bound must be in \(0, max_grad_norm=0\.5\], got 0\.6"),
-    (dict(max_clip_bound=math.inf), r"algorithm\.max_clip_bound must be finite and >= max_grad_norm=0\.5, got inf"),
-    (dict(max_clip_bound=0.4), r"algorithm\.max_clip_bound must be finite and >= max_grad_norm=0\.5, got 0\.4"),
+    (dict(min_clip_bound=0.0), r"algorithm\.min_clip_bound must be in \(0, privacy\.max_grad_norm=0\.5\], got 0\.0"),
+    (dict(min_clip_bound=0.6), r"algorithm\.min_clip_bound must be in \(0, privacy\.max_grad_norm=0\.5\], got 0\.6"),
+    (dict(max_clip_bound=math.inf),
+     r"algorithm\.max_clip_bound must be finite and >= privacy\.max_grad_norm=0\.5, got inf"),
+    (dict(max_clip_bound=0.4),
+     r"algorithm\.max_clip_bound must be finite and >= privacy\.max_grad_norm=0\.5, got 0\.4"),
     (dict(count_noise_std=math.inf), r"algorithm\.count_noise_std must be finite and >= 0, got inf"),
     (dict(count_noise_std=-1.0), r"algorithm\.count_noise_std must be finite and >= 0, got -1\.0"),
-    (dict(count_noise_std=0.4), r"algorithm\.count_noise_std must be > noise_multiplier/2 = 0\.5"),
+    (dict(count_noise_std=0.4), r"algorithm\.count_noise_std must be > privacy\.noise_multiplier/2 = 0\.5"),
     (dict(count_accounting="joint"), r"algorithm\.count_accounting must be one of \['split', 'separate'\]"),
     (dict(bound_scope="server"), r"algorithm\.bound_scope must be one of \['global', 'client'\], got 'server'"),
 ], ids=["gamma", "clip_lr", "cmin0", "cmin>c0", "cmax-inf", "cmax<c0", "sb-inf", "sb<0", "split-sb", "accounting",
         "scope"])
 def test_bad_options_are_refused_with_one_line(options, message):
     with pytest.raises(ConfigError, match=message) as err:
-        DPFedAvgAdaClip(**{**ADA, **options})
+        adaclip(**options)
     assert "\n" not in str(err.value)
 
 
@@ -274,7 +286,7 @@ def test_resume_from_a_checkpoint_continues_the_bounds_exactly(tmp_path, scope):
         callbacks = [RDPAccounting()]
         if ckpt_dir is not None:
             callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1))
-        fed = Federation(tiny_client(), DPFedAvgAdaClip(bound_scope=scope, **ADA), num_rounds=rounds, seed=1)
+        fed = Federation(tiny_client(), adaclip(bound_scope=scope), num_rounds=rounds, seed=1)
         trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                           max_epochs=-1, enable_checkpointing=ckpt_dir is not None, callbacks=callbacks)
         return fed, trainer
@@ -297,33 +309,33 @@ def test_resume_from_a_checkpoint_continues_the_bounds_exactly(tmp_path, scope):
 
 def test_the_bounds_travel_with_the_round_context():
     """The server broadcasts the bounds; a client steps at the broadcast bound, holding no state."""
-    algorithm = DPFedAvgAdaClip(**ADA)
+    algorithm = adaclip()
     algorithm.global_bound = 0.8
     assert algorithm.configure_round(3).broadcast == {"clip_bound": 0.8}
     context = RoundContext(round=3, broadcast={"clip_bound": 0.3})
     update = algorithm.local_update(tiny_client(), tiny_data_client(), context, torch.Generator().manual_seed(0))
     assert update.diagnostics["clip_bound"] == 0.3
-    fed, _, _ = _fit(DPFedAvgAdaClip(bound_scope="client", **ADA), rounds=2)
+    fed, _, _ = _fit(adaclip(bound_scope="client"), rounds=2)
     assert fed.algorithm.configure_round(2).broadcast == {f"clip_bound/{c}": fed.algorithm.bound(c) for c in range(3)}
 
 
 @SCOPES
 def test_stacked_and_client_by_client_rounds_agree(scope):
-    stacked, _, rec_s = _fit(DPFedAvgAdaClip(bound_scope=scope, **ADA), stacked_round=True)
-    single, _, rec_1 = _fit(DPFedAvgAdaClip(bound_scope=scope, **ADA), stacked_round=False)
+    stacked, _, rec_s = _fit(adaclip(bound_scope=scope), stacked_round=True)
+    single, _, rec_1 = _fit(adaclip(bound_scope=scope), stacked_round=False)
     assert rec_s.bounds == rec_1.bounds
     torch.testing.assert_close(flat(stacked.global_model), flat(single.global_model))
 
 
 def test_several_local_steps_adapt_a_client_bound_after_every_step():
-    fed, acc, record = _fit(DPFedAvgAdaClip(local_steps=3, clip_lr=1.0, bound_scope="client", **ADA), rounds=1)
+    fed, acc, record = _fit(adaclip(local_steps=3, clip_lr=1.0, bound_scope="client"), rounds=1)
     assert all(e == DPEvent(noise_multiplier=1.0, sample_rate=0.2, steps=3) for _, _, _, e in record.events)
     # the upload's mean bound over its 3 steps differs from C_0: the bound moved within the round
     assert all(u != 0.5 for u in record.used)
 
 
 def test_round_metrics_cover_every_client():
-    fed, _, _ = _fit(DPFedAvgAdaClip(bound_scope="client", **ADA), rounds=2, clients_per_round=1)
+    fed, _, _ = _fit(adaclip(bound_scope="client"), rounds=2, clients_per_round=1)
     metrics = fed.algorithm.on_round_end([], RoundContext(round=2))
     bounds = [fed.algorithm.bound(c) for c in range(3)]
     assert bounds.count(0.5) >= 1 and len(fed.algorithm.bounds) in (1, 2)  # unsampled clients hold C_0

@@ -13,6 +13,7 @@ from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
 from fedfdp.algorithms import FedFDP
 from fedfdp.errors import ConfigError
 from fedfdp.fit import main
+from fedfdp.privacy import SampleLevelDP
 from tests.helpers import flat, run_federation, tiny_data
 from tests.cli.test_cli import TINY
 
@@ -28,7 +29,8 @@ class GlobalWeights(FederationCallback):
 
 
 def _fedfdp() -> FedFDP:
-    return FedFDP(fairness_weight=0.1, lr=1.0, sample_rate=0.3, max_grad_norm=1.0, noise_multiplier=1.0)
+    return FedFDP(fairness_weight=0.1, lr=1.0,
+                  privacy=SampleLevelDP(sample_rate=0.3, max_grad_norm=1.0, noise_multiplier=1.0))
 
 
 def _callbacks() -> list[Any]:

@@ -8,14 +8,20 @@ import pytest
 import torch
 
 from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
-from fedfdp.algorithms import DPFedAvg, DPFedAvgFairAgg, FedFDP, FedFDPFairAgg
+from fedfdp.algorithms import DPFedAvgFairAgg, FedAvg, FedFDP, FedFDPFairAgg
 from fedfdp.algorithms.fairagg import fair_aggregation_weights
 from fedfdp.errors import ConfigError
 from fedfdp.interfaces import is_instance_of
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.types import ClientUpdate, RoundContext
 from tests.helpers import flat, run_federation
 
-DP = dict(lr=0.5, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+MECHANISM = dict(sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def private() -> dict:
+    """The options of every private algorithm here: ``lr`` 0.5 and the record-level mechanism."""
+    return dict(lr=0.5, privacy=SampleLevelDP(**MECHANISM))
 
 
 class _Events(FederationCallback):
@@ -39,21 +45,21 @@ def _fit(algorithm, rounds=3, loss_clip_rule="fixed"):
 @pytest.mark.parametrize("options", [dict(tilt=0.0), dict(fair_weight_rule="power", q_fair=0.0),
                                      dict(tilt=3.0, mix=1.0)], ids=["tilt0", "q0", "mix1"])
 def test_zero_fairness_pressure_is_fedfdp_bit_for_bit(options):
-    reference, _, _ = _fit(FedFDP(**DP))
-    fair, _, _ = _fit(FedFDPFairAgg(**options, **DP))
+    reference, _, _ = _fit(FedFDP(**private()))
+    fair, _, _ = _fit(FedFDPFairAgg(**options, **private()))
     assert torch.equal(flat(fair.global_model), flat(reference.global_model))
     assert fair.algorithm.broadcast_loss == reference.algorithm.broadcast_loss
 
 
 def test_dpfedavg_variant_at_zero_tilt_is_dpfedavg_bit_for_bit():
-    reference, _ = run_federation(DPFedAvg(**DP), [RDPAccounting()], rounds=3)
-    fair, _, _ = _fit(DPFedAvgFairAgg(tilt=0.0, **DP))
+    reference, _ = run_federation(FedAvg(**private()), [RDPAccounting()], rounds=3)
+    fair, _, _ = _fit(DPFedAvgFairAgg(tilt=0.0, **private()))
     assert torch.equal(flat(fair.global_model), flat(reference.global_model))
 
 
 def test_a_positive_tilt_changes_the_model():
-    reference, _, _ = _fit(FedFDP(**DP))
-    fair, _, _ = _fit(FedFDPFairAgg(tilt=5.0, **DP))
+    reference, _, _ = _fit(FedFDP(**private()))
+    fair, _, _ = _fit(FedFDPFairAgg(tilt=5.0, **private()))
     assert not torch.equal(flat(fair.global_model), flat(reference.global_model))
 
 
@@ -70,7 +76,7 @@ def _updates(losses, sizes):
                          ids=["exp", "exp-mix", "power", "power-mix"])
 def test_weights_rise_with_the_reported_loss(options):
     """Equal sizes, increasing F̃_i: the aggregate (of one-hot models, i.e. the weights) increases."""
-    algorithm = FedFDPFairAgg(**options, **DP)
+    algorithm = FedFDPFairAgg(**options, **private())
     losses = [-0.2, 0.1, 0.4, 0.9, 2.0]  # a noisy release can be negative
     weights = algorithm.aggregate(torch.zeros(5), _updates(losses, [100] * 5), RoundContext(round=0)).tolist()
     assert math.isclose(sum(weights), 1.0, rel_tol=1e-6)
@@ -98,12 +104,12 @@ def test_the_weights_are_the_formula_and_keep_the_size_factor():
 
 
 def test_an_unset_strength_is_one_for_either_rule():
-    exp, power = FedFDPFairAgg(**DP), FedFDPFairAgg(fair_weight_rule="power", **DP)
+    exp, power = FedFDPFairAgg(**private()), FedFDPFairAgg(fair_weight_rule="power", **private())
     assert (exp.tilt, exp.q_fair, power.tilt, power.q_fair) == (1.0, 0.0, 0.0, 1.0)
 
 
 def test_round_metrics_report_the_spread_of_the_weights():
-    algorithm = FedFDPFairAgg(tilt=1.0, **DP)
+    algorithm = FedFDPFairAgg(tilt=1.0, **private())
     metrics = algorithm.on_round_end(_updates([0.1, 1.1], [100, 100]), RoundContext(round=0))
     assert metrics["fair_weight_ratio"] == pytest.approx(math.e)
     assert metrics["fair_weight_max"] == pytest.approx(math.e / (1 + math.e))
@@ -115,8 +121,8 @@ def test_round_metrics_report_the_spread_of_the_weights():
 # ---- privacy: no new release ---------------------------------------------------------------------------
 @pytest.mark.parametrize("loss_clip_rule", ["fixed", "paper_adaptive"])
 def test_it_charges_exactly_fedfdps_dp_events_and_epsilon(loss_clip_rule):
-    ref, ref_acc, ref_events = _fit(FedFDP(**DP), loss_clip_rule=loss_clip_rule)
-    fair, acc, events = _fit(FedFDPFairAgg(tilt=3.0, mix=0.2, **DP), loss_clip_rule=loss_clip_rule)
+    ref, ref_acc, ref_events = _fit(FedFDP(**private()), loss_clip_rule=loss_clip_rule)
+    fair, acc, events = _fit(FedFDPFairAgg(tilt=3.0, mix=0.2, **private()), loss_clip_rule=loss_clip_rule)
     assert events.events == ref_events.events and events.events
     assert {cid: led.events for cid, led in acc.ledgers.items()} == \
            {cid: led.events for cid, led in ref_acc.ledgers.items()}
@@ -131,7 +137,7 @@ def test_it_needs_the_noisy_loss_release():
     assert "callbacks.NoisyLossReporting" in DPFedAvgFairAgg.required_callbacks
     assert is_instance_of(NoisyLossReporting(), "callbacks.NoisyLossReporting")
     with pytest.raises(RuntimeError, match="reported no loss"):
-        FedFDPFairAgg(**DP).aggregate(torch.zeros(1), [ClientUpdate(client_id=0, params=torch.zeros(1),
+        FedFDPFairAgg(**private()).aggregate(torch.zeros(1), [ClientUpdate(client_id=0, params=torch.zeros(1),
                                                                     num_examples=1)], RoundContext(round=0))
 
 
@@ -150,5 +156,5 @@ def test_it_needs_the_noisy_loss_release():
 @pytest.mark.parametrize("cls", [FedFDPFairAgg, DPFedAvgFairAgg], ids=lambda c: c.__name__)
 def test_bad_options_are_refused_with_one_line(cls, options, message):
     with pytest.raises(ConfigError, match=message) as err:
-        cls(**options)
+        cls(**options, privacy=SampleLevelDP())
     assert "\n" not in str(err.value)

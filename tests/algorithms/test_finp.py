@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from callbacks import RDPAccounting, SourceInferenceAudit
-from fedfdp.algorithms import DPFedAvg, DPFinP, FinP
+from fedfdp.algorithms import FedAvg, FinP
 from fedfdp.algorithms.finp import CURVATURE_RELEASE
 from fedfdp.algorithms.finp_math import (add_bound_gradient, ala_weights, explicit_pca_distances, gram_matrix,
                                          hessian_vector_product, hutchinson_trace, log_lipschitz_bound,
@@ -24,6 +24,7 @@ from fedfdp.algorithms.finp_math import (add_bound_gradient, ala_weights, explic
                                          rownorm_bound_rows)
 from fedfdp.algorithms.finp_client import RegularisedClient
 from fedfdp.models import HuCNN
+from fedfdp.privacy import SampleLevelDP
 from tests.conftest import REPO
 from tests.helpers import run_federation
 
@@ -231,12 +232,14 @@ def test_a_large_beta_shrinks_the_lipschitz_bound():
 
 
 def test_dp_finp_charges_the_curvature_release():
-    common = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
-    alg = DPFinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0, **common)
+    def common() -> dict:
+        return dict(lr=1.0, privacy=SampleLevelDP(sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0))
+
+    alg = FinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0, **common())
     kinds = [kind for kind, _ in alg.planned_dp_events(0, 100)]
     assert kinds.count(CURVATURE_RELEASE) == 1 and alg.planned_dp_events(0, 100)[-1][1].sample_rate == 0.1
     eps = {}
-    for name, algorithm in (("finp", alg), ("dpfedavg", DPFedAvg(**common))):
+    for name, algorithm in (("finp", alg), ("dpfedavg", FedAvg(**common()))):
         acc = RDPAccounting()
         run_federation(algorithm, [acc, SourceInferenceAudit(num_samples=5, write_json=False)], rounds=2)
         eps[name] = acc.epsilon()
@@ -342,9 +345,13 @@ def test_each_client_alone_rows_keep_the_tables_loop_split_and_dp_mechanism(data
     if data.dp_config is None:
         return
     alone_dp, dp = _algorithm(data.local_dp_config), _algorithm(data.dp_config)["init_args"]
-    assert alone_dp["class_path"] == "fedfdp.algorithms.DPLocalOnly"
-    mechanism = ("lr", "sample_rate", "max_grad_norm", "noise_multiplier", "local_steps")
-    assert {k: alone_dp["init_args"][k] for k in mechanism} == {k: dp[k] for k in mechanism}
+    assert alone_dp["class_path"] == "fedfdp.algorithms.LocalOnly"
+    assert alone_dp["init_args"]["privacy"]["class_path"] == dp["privacy"]["class_path"] == \
+        "fedfdp.privacy.SampleLevelDP"
+    assert alone_dp["init_args"]["lr"] == dp["lr"]
+    mechanism = ("sample_rate", "max_grad_norm", "noise_multiplier", "local_steps")
+    assert {k: alone_dp["init_args"]["privacy"]["init_args"][k] for k in mechanism} == \
+        {k: dp["privacy"]["init_args"][k] for k in mechanism}
 
 
 def test_finp_table_alone_rows_run_two_configs_and_compute_the_majority_label(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Local-only training (LocalOnly, DPLocalOnly) and the majority-label baseline (issue 23)."""
+"""Local-only training (LocalOnly, without and with privacy) and the majority-label baseline (issue 23)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,24 @@ import pytest
 import torch
 
 from callbacks import RDPAccounting
-from fedfdp.algorithms import DPFedAvg, DPLocalOnly, FedAvg, LocalOnly
+from fedfdp.algorithms import FedAvg, LocalOnly
 from fedfdp.errors import ConfigError
 from fedfdp.experiments.baselines import majority_label_accuracy, majority_label_baseline
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.types import RoundContext
 from tests.helpers import fit_resumable, flat, run_federation, tiny_client, tiny_data
 
-DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+MECHANISM = dict(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
 NONDP = dict(lr=0.1, batch_size=32)
 
+
+def private(lr: float = 1.0, **mechanism) -> dict:
+    """The options of a private run (the retired DP twins'): ``lr`` and the record-level mechanism."""
+    return dict(lr=lr, privacy=SampleLevelDP(**{**MECHANISM, **mechanism}))
+
+
 CASES = [(lambda: LocalOnly(**NONDP), lambda: FedAvg(**NONDP), list),
-         (lambda: DPLocalOnly(**DP), lambda: DPFedAvg(**DP), lambda: [RDPAccounting()])]
+         (lambda: LocalOnly(**private()), lambda: FedAvg(**private()), lambda: [RDPAccounting()])]
 IDS = ["local", "dp-local"]
 
 
@@ -76,40 +83,40 @@ def test_a_client_not_yet_sampled_is_evaluated_on_w0():
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    (dict(ema_decay=0.9), "model.ema_decay must be null for DPLocalOnly"),
+    (dict(ema_decay=0.9), "model.ema_decay must be null for LocalOnly"),
     (dict(server_optimizer=lambda p: torch.optim.SGD(p, lr=1.0, weight_decay=0.1)), "model.server_optimizer"),
 ], ids=["ema", "weight-decay"])
 def test_a_moving_or_averaged_global_model_is_refused(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        run_federation(DPLocalOnly(**DP), [RDPAccounting()], rounds=1, **kwargs)
+        run_federation(LocalOnly(**private()), [RDPAccounting()], rounds=1, **kwargs)
 
 
 def test_dp_local_only_epsilon_and_rounds_are_dp_fedavgs():
     """Same events per round, so the same ε after the same rounds and the same rounds in a budget."""
-    assert DPLocalOnly(**DP).planned_dp_events(0, 100) == DPFedAvg(**DP).planned_dp_events(0, 100)
+    assert LocalOnly(**private()).planned_dp_events(0, 100) == FedAvg(**private()).planned_dp_events(0, 100)
     local, ref = RDPAccounting(), RDPAccounting()
-    run_federation(DPLocalOnly(**DP), [local], rounds=3)
-    run_federation(DPFedAvg(**DP), [ref], rounds=3)
+    run_federation(LocalOnly(**private()), [local], rounds=3)
+    run_federation(FedAvg(**private()), [ref], rounds=3)
     assert local.epsilon() == pytest.approx(ref.epsilon(), rel=1e-12) and 0 < local.epsilon() < float("inf")
     budget = dict(target_epsilon=1.0, delta=1e-5)
-    a, _ = run_federation(DPLocalOnly(**{**DP, "noise_multiplier": 3.0}), [RDPAccounting(**budget)], rounds=None)
-    b, _ = run_federation(DPFedAvg(**{**DP, "noise_multiplier": 3.0}), [RDPAccounting(**budget)], rounds=None)
+    a, _ = run_federation(LocalOnly(**private(noise_multiplier=3.0)), [RDPAccounting(**budget)], rounds=None)
+    b, _ = run_federation(FedAvg(**private(noise_multiplier=3.0)), [RDPAccounting(**budget)], rounds=None)
     assert a.total_rounds == b.total_rounds >= 1
 
 
 def test_privacy_flags():
-    assert DPLocalOnly.evaluated_models_covered is True
-    assert not LocalOnly.supports_distributed and not DPLocalOnly.supports_distributed
+    assert LocalOnly(**private()).evaluated_models_covered is True
+    assert not LocalOnly.supports_distributed and not LocalOnly(**private()).supports_distributed
     # one private step from each client's own model: stacked through the grouped network (tests/engine/test_stacked.py)
-    assert DPLocalOnly(**DP).stackable_step(RoundContext(0)) is not None
-    assert DPLocalOnly(**{**DP, "local_steps": 2}).stackable_step(RoundContext(0)) is None
+    assert LocalOnly(**private()).stackable_step(RoundContext(0)) is not None
+    assert LocalOnly(**private(local_steps=2)).stackable_step(RoundContext(0)) is None
 
 
 def test_resume_restores_the_clients_models_bitwise(tmp_path):
     """2 rounds, checkpoint, resume to 4 ≡ 4 rounds straight."""
-    straight = fit_resumable(lambda: DPLocalOnly(**DP), 4)
-    fit_resumable(lambda: DPLocalOnly(**DP), 2, tmp_path)
-    resumed = fit_resumable(lambda: DPLocalOnly(**DP), 4, tmp_path, str(tmp_path / "last.ckpt"))
+    straight = fit_resumable(lambda: LocalOnly(**private()), 4)
+    fit_resumable(lambda: LocalOnly(**private()), 2, tmp_path)
+    resumed = fit_resumable(lambda: LocalOnly(**private()), 4, tmp_path, str(tmp_path / "last.ckpt"))
     a, b = straight.algorithm.client_state, resumed.algorithm.client_state
     assert a.clients() == b.clients() and a.clients()
     for cid in a.clients():
@@ -121,12 +128,13 @@ def test_local_only_deploys_with_its_models_kept_on_the_nodes():
     pytest.importorskip("flwr", reason="the flower extra is not installed")
     from fedfdp.flower.strategy import check_deployable
 
-    for algorithm in (LocalOnly(), DPLocalOnly()):
+    for make in (LocalOnly, lambda: LocalOnly(lr=1.0, privacy=SampleLevelDP())):
+        algorithm = make()
         check_deployable(algorithm, [])
         algorithm.client_state.set(1, "local", torch.ones(3))
         exported = algorithm.export_client_state(1)
         assert list(exported) == ["client_state/local"] and algorithm.export_client_state(0) == {}
-        fresh = type(algorithm)()
+        fresh = make()
         fresh.import_client_state(1, exported)
         assert torch.equal(fresh.client_state.get(1, "local"), torch.ones(3))
         assert fresh.public_server_state() == {}

@@ -26,15 +26,22 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from callbacks import FederationCallback, RDPAccounting
 from fedfdp import ClientModule, Federation
 from fedfdp.aggregate import weighted_mean
-from fedfdp.algorithms import DPDitto, DPFedAvg, FedAvg
+from fedfdp.algorithms import Ditto, FedAvg
 from fedfdp.errors import ConfigError
 from fedfdp.fit import main
 from fedfdp.models import MLP
+from fedfdp.privacy import SampleLevelDP
 from tests.conftest import REPO
 from tests.helpers import tiny_data
 
 LR = 0.01
-DP = {"lr": LR, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+MECHANISM = {"sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+
+
+def dp_fedavg(local_steps: int = 1) -> FedAvg:
+    """DP-FedAvg at lr ``LR``: FedAvg with the record-level mechanism."""
+    return FedAvg(lr=LR, privacy=SampleLevelDP(**MECHANISM, local_steps=local_steps))
+
 TINY_DP = REPO / "tests" / "configs" / "tiny_dpfedavg.yaml"
 
 
@@ -136,7 +143,7 @@ def test_the_default_is_plain_sgd_and_a_configured_sgd_with_momentum_keeps_its_b
 def test_kept_state_survives_checkpoint_and_resume(tmp_path, local_steps):
     """2 rounds, checkpoint, resume to 4 = 4 rounds straight; without the checkpoint's state it differs."""
     def run(rounds: int, **kwargs: Any) -> Federation:
-        return _fit(_client(_adam, "kept"), DPFedAvg(**DP, local_steps=local_steps), rounds, [RDPAccounting()],
+        return _fit(_client(_adam, "kept"), dp_fedavg(local_steps=local_steps), rounds, [RDPAccounting()],
                     num_clients=3, **kwargs)
 
     straight = run(4)
@@ -172,7 +179,7 @@ class _Uploads(FederationCallback):
 
 def test_kept_state_is_never_in_an_upload_and_the_mechanism_check_passes():
     recorder, accountant = _Uploads(), RDPAccounting()
-    fed = _fit(_client(_adam, "kept"), DPFedAvg(**DP, local_steps=2), 2, [accountant, recorder])
+    fed = _fit(_client(_adam, "kept"), dp_fedavg(local_steps=2), 2, [accountant, recorder])
     assert accountant.epsilon() > 0 and len(recorder.uploads) == 4  # every upload passed check_mechanism
     size = sum(p.numel() for p in fed.client.trainable_parameters())
     count = len(fed.client.trainable_parameters())
@@ -186,7 +193,7 @@ def test_kept_state_is_never_in_an_upload_and_the_mechanism_check_passes():
 
 def test_stacked_round_loads_each_clients_kept_state():
     """One private step per client: stacked (one engine pass) = client by client, with Adam kept over 3 rounds."""
-    runs = {stacked: _fit(_client(_adam, "kept"), DPFedAvg(**DP), 3, [RDPAccounting()], num_clients=3,
+    runs = {stacked: _fit(_client(_adam, "kept"), dp_fedavg(), 3, [RDPAccounting()], num_clients=3,
                           stacked_round=stacked) for stacked in (True, False)}
     torch.testing.assert_close(_flat(runs[True].global_model), _flat(runs[False].global_model), rtol=1e-5, atol=1e-6)
     for cid in range(3):
@@ -197,7 +204,8 @@ def test_stacked_round_loads_each_clients_kept_state():
 
 
 def test_ditto_personal_phase_keeps_its_own_optimizer_state():
-    fed = _fit(_client(_adam, "kept"), DPDitto(**DP, personal_weight=0.1), 2, [RDPAccounting()])
+    fed = _fit(_client(_adam, "kept"), Ditto(lr=LR, privacy=SampleLevelDP(**MECHANISM), personal_weight=0.1), 2,
+               [RDPAccounting()])
     entry = fed.client.local_optimizer_states.entry(0)
     assert {k.split("/")[0] for k in entry} == {"local", "personal"}
     assert float(entry["local/0/step"]) == 2.0 and float(entry["personal/0/step"]) == 2.0
@@ -226,7 +234,7 @@ def test_private_step_gives_adam_the_sgd_paths_noisy_gradient_and_passes_the_mec
     runs = {}
     for name, optimizer in (("sgd", _RecordingSGD), ("adam", _RecordingAdam)):
         recorder, accountant = _Uploads(), RDPAccounting()
-        _fit(_client(optimizer, "fresh"), DPFedAvg(**DP, local_steps=local_steps), 1, [accountant, recorder])
+        _fit(_client(optimizer, "fresh"), dp_fedavg(local_steps=local_steps), 1, [accountant, recorder])
         assert accountant.epsilon() > 0  # the uploads passed the mechanism check (stamped after the step)
         runs[name] = recorder.uploads
     sgd, adam = _RecordingSGD.grads, _RecordingAdam.grads

@@ -8,14 +8,20 @@ import pytest
 import torch
 
 from callbacks import RDPAccounting
-from fedfdp.algorithms import DPFedAvg, DPFedAvgPriorCorrection
+from fedfdp.algorithms import DPFedAvgPriorCorrection, FedAvg
 from fedfdp.algorithms.prior import label_prior_offsets
 from fedfdp.errors import ConfigError
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.types import LABEL_HISTOGRAM_RELEASE
 from tests.helpers import flat, run_federation, tiny_data
 
-DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+MECHANISM = dict(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+
+
+def private() -> dict:
+    """The options of every private algorithm here: ``lr`` 1 and the record-level mechanism."""
+    return dict(lr=1.0, privacy=SampleLevelDP(**MECHANISM))
 
 
 def _exact_counts(data) -> torch.Tensor:
@@ -26,7 +32,7 @@ def _exact_counts(data) -> torch.Tensor:
 def test_histograms_are_charged_once_per_client_and_noised_with_sigma_h():
     data = tiny_data(num_clients=4)
     accountant = RDPAccounting()
-    fed, _ = run_federation(DPFedAvgPriorCorrection(prior_noise_multiplier=3.0, **DP), [accountant], rounds=2,
+    fed, _ = run_federation(DPFedAvgPriorCorrection(prior_noise_multiplier=3.0, **private()), [accountant], rounds=2,
                             data=data)
     histogram = DPEvent(noise_multiplier=3.0, sample_rate=1.0)
     two_steps = DPEvent(noise_multiplier=1.0, sample_rate=0.2, steps=2)
@@ -41,9 +47,9 @@ def test_the_histogram_is_planned_into_the_budget():
     """Budget-limited: the one-off release is spent before planning, so the run trains the rounds
     that still fit and its epsilon (histogram included) stays within the target."""
     target = 8.0
-    plain, _ = run_federation(DPFedAvg(**DP), [RDPAccounting(target_epsilon=target)], rounds=None)
+    plain, _ = run_federation(FedAvg(**private()), [RDPAccounting(target_epsilon=target)], rounds=None)
     accountant = RDPAccounting(target_epsilon=target)
-    fed, _ = run_federation(DPFedAvgPriorCorrection(prior_noise_multiplier=2.0, **DP), [accountant], rounds=None)
+    fed, _ = run_federation(DPFedAvgPriorCorrection(prior_noise_multiplier=2.0, **private()), [accountant], rounds=None)
     assert fed.total_rounds < plain.total_rounds
     assert accountant.epsilon() <= target
     one_more = [DPEvent(noise_multiplier=2.0, sample_rate=1.0),
@@ -53,8 +59,8 @@ def test_the_histogram_is_planned_into_the_budget():
 
 def test_training_is_dp_fedavgs_and_evaluation_adds_the_offsets():
     data = tiny_data(num_clients=4)
-    dp, _ = run_federation(DPFedAvg(**DP), [RDPAccounting()], rounds=3, data=data)
-    corrected, _ = run_federation(DPFedAvgPriorCorrection(prior_strength=1.0, **DP), [RDPAccounting()], rounds=3,
+    dp, _ = run_federation(FedAvg(**private()), [RDPAccounting()], rounds=3, data=data)
+    corrected, _ = run_federation(DPFedAvgPriorCorrection(prior_strength=1.0, **private()), [RDPAccounting()], rounds=3,
                                   data=data)
     assert torch.equal(flat(dp.global_model), flat(corrected.global_model))  # its own noise stream
     offsets = corrected.algorithm.evaluation_logit_offsets()
@@ -66,7 +72,7 @@ def test_training_is_dp_fedavgs_and_evaluation_adds_the_offsets():
     correct = (logits.argmax(1) == y).double()
     per_client = torch.zeros(4, dtype=torch.float64).index_add_(0, cid, correct) / torch.bincount(cid, minlength=4)
     torch.testing.assert_close(corrected.last_evaluation.client_accuracy.double(), per_client)
-    zero, _ = run_federation(DPFedAvgPriorCorrection(prior_strength=0.0, **DP), [RDPAccounting()], rounds=3,
+    zero, _ = run_federation(DPFedAvgPriorCorrection(prior_strength=0.0, **private()), [RDPAccounting()], rounds=3,
                              data=data)
     assert zero.algorithm.evaluation_logit_offsets() is None
     torch.testing.assert_close(zero.last_evaluation.client_accuracy, dp.last_evaluation.client_accuracy)
@@ -83,9 +89,10 @@ def test_offsets_favour_the_clients_own_labels():
 def test_a_checkpointed_run_does_not_release_again(tmp_path):
     from tests.helpers import fit_resumable
 
-    full = fit_resumable(lambda: DPFedAvgPriorCorrection(**DP), rounds=3)
-    fit_resumable(lambda: DPFedAvgPriorCorrection(**DP), rounds=2, ckpt_dir=tmp_path)
-    resumed = fit_resumable(lambda: DPFedAvgPriorCorrection(**DP), rounds=3, ckpt_path=str(tmp_path / "last.ckpt"))
+    full = fit_resumable(lambda: DPFedAvgPriorCorrection(**private()), rounds=3)
+    fit_resumable(lambda: DPFedAvgPriorCorrection(**private()), rounds=2, ckpt_dir=tmp_path)
+    resumed = fit_resumable(lambda: DPFedAvgPriorCorrection(**private()), rounds=3,
+                            ckpt_path=str(tmp_path / "last.ckpt"))
     torch.testing.assert_close(resumed.algorithm.noisy_counts, full.algorithm.noisy_counts)
     torch.testing.assert_close(flat(resumed.global_model), flat(full.global_model))
 
@@ -94,12 +101,12 @@ def test_a_checkpointed_run_does_not_release_again(tmp_path):
                                            (dict(prior_strength=-1.0), "prior_strength")])
 def test_bad_settings_are_refused(kwargs, field):
     with pytest.raises(ConfigError, match=f"algorithm.{field}"):
-        DPFedAvgPriorCorrection(**kwargs, **DP)
+        DPFedAvgPriorCorrection(**kwargs, **private())
 
 
 def test_the_label_histogram_kind_is_recorded_in_the_ledger_file(tmp_path):
     path = tmp_path / "ledger.jsonl"
-    run_federation(DPFedAvgPriorCorrection(**DP), [RDPAccounting(ledger_path=str(path))], rounds=1,
+    run_federation(DPFedAvgPriorCorrection(**private()), [RDPAccounting(ledger_path=str(path))], rounds=1,
                    data=tiny_data(num_clients=3))
     kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
     assert kinds.count(LABEL_HISTOGRAM_RELEASE) == 3 and kinds[:3] == [LABEL_HISTOGRAM_RELEASE] * 3

@@ -11,10 +11,11 @@ from callbacks import ClusterMetrics, RDPAccounting
 from datamodules import ClusteredDigitsDataModule
 from fedfdp import ClientModule, Federation
 from fedfdp.aggregate import weighted_mean
-from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL, DPFedAvg, LocalDPSGD, OracleCDPFL
+from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL, FedAvg, LocalDPSGD, OracleCDPFL
 from fedfdp.algorithms.clustering import auto_cluster_rounds, clustering_accuracy, fit_gmm, max_overlap, project_updates
 from fedfdp.errors import ConfigError
 from fedfdp.models import TinyCNN
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event
 from fedfdp.seeding import torch_generator
@@ -170,8 +171,9 @@ def test_cluster_aggregation_weights_add_to_one_per_cluster():
 def test_oracle_equals_per_cluster_dpfedavg():
     dm = digits()
     fed, _ = fit(OracleCDPFL(**ALG, noise_multiplier=1.0), rounds=2, data=dm)
-    reference = DPFedAvg(lr=0.1, sample_rate=10 / N_TRAIN, max_grad_norm=1.0, noise_multiplier=1.0,
-                         local_steps=N_TRAIN // 10)
+    mechanism = SampleLevelDP(sample_rate=10 / N_TRAIN, max_grad_norm=1.0, noise_multiplier=1.0,
+                              local_steps=N_TRAIN // 10)
+    reference = FedAvg(lr=0.1, privacy=mechanism)
     c = client()
     models = [c.get_flat_params() for _ in SIZES]
     for t in range(2):

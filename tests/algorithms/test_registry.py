@@ -20,8 +20,12 @@ def _imported_after(code: str) -> list[str]:
     return [m for m in out.strip().split(",") if m]
 
 
+#: the retired twins' names and the upgrade of old configs (imports nothing): loaded with the package
+RETIRED_NAMES = "fedfdp.algorithms.retired"
+
+
 def test_importing_the_package_imports_no_algorithm():
-    assert _imported_after("import fedfdp.algorithms") == []
+    assert _imported_after("import fedfdp.algorithms") == [RETIRED_NAMES]
 
 
 @pytest.mark.slow
@@ -30,7 +34,8 @@ def test_naming_one_algorithm_imports_its_module_only():
     # optimizer's state), not an algorithm: it may come along; no other algorithm's module may
     imported = _imported_after("import fedfdp.algorithms as a\na.FedAvg")
     assert [m for m in imported if m != "fedfdp.algorithms.client_state"] == ["fedfdp.algorithms.base",
-                                                                              "fedfdp.algorithms.fedavg"]
+                                                                              "fedfdp.algorithms.fedavg",
+                                                                              RETIRED_NAMES]
 
 
 def test_registry_names_the_module_that_defines_each_public_name():

@@ -26,8 +26,13 @@ MAIN_CONFIG = REPO / "configs" / "fmnist.yaml"
 
 
 def _algorithm(path) -> str:
+    """The algorithm's class path, and its privacy mechanism's (FedAvg and FedAvg with privacy are two algorithms)."""
     algorithm = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("algorithm")
-    return str(algorithm.get("class_path") if isinstance(algorithm, dict) else algorithm)
+    if not isinstance(algorithm, dict):
+        return str(algorithm)
+    privacy = (algorithm.get("init_args") or {}).get("privacy")
+    mechanism = privacy.get("class_path") if isinstance(privacy, dict) else None
+    return str(algorithm.get("class_path")) + (f"+{mechanism}" if mechanism else "")
 
 
 def _fast_lane_configs() -> set:

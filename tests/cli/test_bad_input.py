@@ -15,6 +15,7 @@ from tests.cli.test_cli import TINY
 from tests.idx_files import write_dataset
 
 ALG = "--model.algorithm.init_args."
+PRIV = ALG + "privacy.init_args."  # the privacy mechanism's (fedfdp.privacy.SampleLevelDP) options
 FMNIST = ["--data", "datamodules.FashionMNISTDataModule", "--data.init_args.verify", "false",
           "--data.init_args.num_clients", "3", "--model.client.init_args.net.init_args.in_features", "784"]
 
@@ -63,13 +64,16 @@ CASES = [  # (id, extra args or callable(tmp) -> args, expected fragment of the 
     ("unknown key", ["--model.bogus", "3"], "unrecognized arguments"),
     ("wrong type rounds", ["--model.num_rounds", "abc"], "model.num_rounds"),
     ("wrong type lr", [ALG + "lr", "fast"], "lr"),
-    ("q above 1", [ALG + "sample_rate", "1.5"], "algorithm.sample_rate must be in (0, 1]"),
-    ("q zero", [ALG + "sample_rate", "0"], "algorithm.sample_rate must be in (0, 1]"),
-    ("sigma negative", [ALG + "noise_multiplier", "-1"], "algorithm.noise_multiplier must be >= 0"),
-    ("C zero", [ALG + "max_grad_norm", "0"], "algorithm.max_grad_norm must be finite and > 0"),
+    ("q above 1", [PRIV + "sample_rate", "1.5"], "algorithm.privacy.sample_rate must be in (0, 1]"),
+    ("q zero", [PRIV + "sample_rate", "0"], "algorithm.privacy.sample_rate must be in (0, 1]"),
+    ("sigma negative", [PRIV + "noise_multiplier", "-1"], "algorithm.privacy.noise_multiplier must be >= 0"),
+    ("C zero", [PRIV + "max_grad_norm", "0"], "algorithm.privacy.max_grad_norm must be finite and > 0"),
     ("lambda negative", [ALG + "fairness_weight", "-0.1"], "algorithm.fairness_weight must be >= 0"),
     ("bad clip mode", [ALG + "fair_clip_mode", "wild"], "fair_clip_mode"),
-    ("bad normalisation", [ALG + "normalize_by", "median"], "normalize_by"),
+    ("bad normalisation", [PRIV + "normalize_by", "median"], "privacy.init_args.normalize_by must be one of"),
+    ("old flat mechanism option", [ALG + "noise_multiplier", "1.5"],
+     "has no option 'noise_multiplier'; the privacy mechanism's options are given as "
+     "init_args.privacy.init_args.noise_multiplier"),
     ("delta >= 1", ["--trainer.callbacks.init_args.delta", "1.5"], "RDPAccounting.delta must be in (0, 1)"),
     ("target eps negative", ["--trainer.callbacks.init_args.target_epsilon", "-1"], "target_epsilon"),
     ("bad initial loss", [ALG + "initial_broadcast_loss", "huge"], "initial_broadcast_loss"),
@@ -77,6 +81,8 @@ CASES = [  # (id, extra args or callable(tmp) -> args, expected fragment of the 
     ("eval_every zero", ["--model.eval_every", "0"], "model.eval_every must be >= 1"),
     ("too many sampled clients", ["--model.clients_per_round", "9"], "model.clients_per_round must be <="),
     ("unknown algorithm", ["--model.algorithm", "fedfdp.algorithms.Nope"], "fedfdp.algorithms.FedFDP"),
+    ("retired twin algorithm", ["--model.algorithm", "fedfdp.algorithms.DPFedProx"],
+     "fedfdp.algorithms.DPFedProx was retired: use class_path fedfdp.algorithms.FedProx with init_args.privacy"),
     ("unknown callback", ["--trainer.callbacks+=callbacks.Nope"], "trainer.callbacks"),
     ("second accountant", ["--trainer.callbacks+=callbacks.RDPAccounting"], "has 2 privacy accountants"),
     ("unknown datamodule", ["--data", "datamodules.Nope"], "data"),

@@ -56,11 +56,12 @@ def test_resume_continues_and_existing_run_is_never_overwritten(tmp_path, capsys
 
 
 ALG = "--model.algorithm.init_args."
+PRIV = ALG + "privacy.init_args."  # the privacy mechanism's (fedfdp.privacy.SampleLevelDP) options
 BAD_INPUTS = [
-    ([ALG + "sample_rate", "1.5"], "algorithm.sample_rate must be in (0, 1]"),
-    ([ALG + "sample_rate", "0"], "algorithm.sample_rate must be in (0, 1]"),
-    ([ALG + "noise_multiplier", "-1"], "algorithm.noise_multiplier must be >= 0"),
-    ([ALG + "max_grad_norm", "0"], "algorithm.max_grad_norm must be finite and > 0"),
+    ([PRIV + "sample_rate", "1.5"], "algorithm.privacy.sample_rate must be in (0, 1]"),
+    ([PRIV + "sample_rate", "0"], "algorithm.privacy.sample_rate must be in (0, 1]"),
+    ([PRIV + "noise_multiplier", "-1"], "algorithm.privacy.noise_multiplier must be >= 0"),
+    ([PRIV + "max_grad_norm", "0"], "algorithm.privacy.max_grad_norm must be finite and > 0"),
     ([ALG + "fairness_weight", "-0.1"], "algorithm.fairness_weight must be >= 0"),
     ([ALG + "fair_clip_mode", "wild"], "fair_clip_mode"),
     (["--model.algorithm", "fedfdp.algorithms.Nope"], "fedfdp.algorithms.FedFDP"),

@@ -23,6 +23,7 @@ from tests.helpers import dir_state
 from tests.cli.test_cli import TINY
 
 ALG = "--model.algorithm.init_args."
+PRIV = ALG + "privacy.init_args."  # the privacy mechanism's (fedfdp.privacy.SampleLevelDP) options
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
 # ---- fedfdp.fit ----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
-    ([ALG + "noise_multiplier", "1.5"], "cannot resume"),  # refused before the directory is locked
+    ([PRIV + "noise_multiplier", "1.5"], "cannot resume"),  # refused before the directory is locked
     ([], "nothing left to train"),  # refused after the checkpoint is restored
 ])
 def test_a_refused_resume_of_fit_changes_no_file(run, capsys, args, message):

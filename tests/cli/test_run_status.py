@@ -200,7 +200,9 @@ def test_metrics_csv_has_a_round_column_equal_to_the_round(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["--trainer.max_steps", "5"], ["--trainer.callbacks.init_args.delta", "0.5"],
-                                  [NET + "num_classes", "3"], ["--model.algorithm", "fedfdp.algorithms.FedAvg"]],
+                                  [NET + "num_classes", "3"],
+                                  ["--model.algorithm", "fedfdp.algorithms.FedAvg",  # without privacy: non-private
+                                   "--model.algorithm.init_args.privacy", "null"]],
                          ids=["trainer-option", "delta", "num-classes", "non-private-algorithm"])
 def test_a_refused_resume_of_an_earlier_run_changes_none_of_its_files(tmp_path, capsys, args):
     import hashlib

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from callbacks import NoisyLossReporting, RDPAccounting
-from fedfdp.algorithms import DPFedAvg, FedAvg, FedFDP
+from fedfdp.algorithms import FedAvg, FedFDP
 from fedfdp.fit import main
 from fedfdp.models import MLP
-from tests.helpers import run_federation, tiny_data
+from tests.helpers import private, run_federation, tiny_data
 from tests.cli.test_cli import TINY
 
 DP = {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 ALGORITHMS = {
-    "DPFedAvg": (lambda: DPFedAvg(**DP), lambda: [RDPAccounting(target_epsilon=10.0)]),
-    "FedFDP": (lambda: FedFDP(fairness_weight=0.1, **DP),
+    "DPFedAvg": (lambda: private(FedAvg, **DP), lambda: [RDPAccounting(target_epsilon=10.0)]),
+    "FedFDP": (lambda: private(FedFDP, fairness_weight=0.1, **DP),
                lambda: [NoisyLossReporting(loss_bound=2.5, noise_multiplier=5.0), RDPAccounting(target_epsilon=10.0)]),
     "FedAvg": (lambda: FedAvg(lr=0.1, batch_size=32), lambda: []),
 }
@@ -71,6 +71,7 @@ def _summary(run_dir: Path) -> dict:
 @pytest.mark.parametrize("algorithm", [[], ["--model.algorithm", "fedfdp.algorithms.FedAvg",
                                             "--model.algorithm.init_args.lr", "0.1",
                                             "--model.algorithm.init_args.batch_size", "32",
+                                            "--model.algorithm.init_args.privacy", "null",
                                             "--trainer.callbacks", "[]"]],
                          ids=["FedFDP", "FedAvg"])
 def test_a_single_client_runs_end_to_end(tmp_path, algorithm):
@@ -83,5 +84,5 @@ def test_a_single_client_runs_end_to_end(tmp_path, algorithm):
 
 
 def test_a_single_client_in_the_library():
-    fed, _ = run_federation(DPFedAvg(**DP), [RDPAccounting(target_epsilon=10.0)], data=tiny_data(num_clients=1))
+    fed, _ = run_federation(private(FedAvg, **DP), [RDPAccounting(target_epsilon=10.0)], data=tiny_data(num_clients=1))
     assert fed.last_evaluation is not None and fed.last_evaluation.client_accuracy.shape == (1,)

@@ -18,8 +18,9 @@ from callbacks import ClusterMetrics, RDPAccounting
 from datamodules import ClusteredDigitsDataModule
 from fedfdp import ClientModule, Federation
 from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL
-from fedfdp.algorithms.finp import DPFinP, FinP
+from fedfdp.algorithms.finp import FinP
 from fedfdp.models import TinyCNN
+from fedfdp.privacy import SampleLevelDP
 from tests.helpers import tiny_client, tiny_data
 
 pytestmark = pytest.mark.gpu
@@ -53,8 +54,8 @@ def test_clustered_algorithms_and_cluster_metrics_run_on_cuda(algorithm):
 @pytest.mark.parametrize("private", [False, True])
 def test_finp_curvature_upload_runs_on_cuda(private):
     if private:
-        alg = DPFinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0,
-                     lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+        alg = FinP(server_agg="ala", curvature_samples=10, curvature_iters=3, curvature_noise_multiplier=2.0,
+                   lr=1.0, privacy=SampleLevelDP(sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0))
     else:
         alg = FinP(server_agg="ala", lr=0.1, batch_size=32, curvature_samples=16, curvature_iters=5)
     accountant = RDPAccounting()
@@ -66,12 +67,12 @@ def test_finp_curvature_upload_runs_on_cuda(private):
 
 def test_stacked_local_only_rounds_and_the_mechanism_receipts_run_on_cuda():
     """Per-client start models through the grouped network, resident client data, receipts on CUDA."""
-    from fedfdp.algorithms import DPLocalOnly
+    from fedfdp.algorithms import LocalOnly
     from fedfdp.stacked import StackedRound
 
     torch.manual_seed(0)
-    fed = Federation(ClientModule(TinyCNN(channels=4)), DPLocalOnly(lr=0.5, sample_rate=0.2, max_grad_norm=1.0,
-                                                                     noise_multiplier=1.0),
+    fed = Federation(ClientModule(TinyCNN(channels=4)), LocalOnly(lr=0.5, privacy=SampleLevelDP(
+                         sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)),
                      num_rounds=3, seed=0, eval_every=3, eval_train_splits=False)
     data = ClusteredDigitsDataModule(cluster_sizes=(2, 2), train_per_client=60, test_per_client=20, sampling="overlap")
     accountant = RDPAccounting(delta=1e-4)
@@ -104,13 +105,14 @@ def test_a_sweep_on_cuda_equals_its_runs_alone(tmp_path):
 def test_lockstep_local_steps_on_cuda_equal_the_per_client_round():
     """Several local steps in lockstep (on by default on accelerators): the per-client round's model
     within float32 tolerance and the same ε, on the GPU."""
-    from fedfdp import DPFedAvg
+    from fedfdp import FedAvg
     from fedfdp.models import MLP
 
     def fit(stacked: bool) -> tuple[torch.Tensor, float]:
         torch.manual_seed(0)
         fed = Federation(ClientModule(MLP(in_features=64, num_classes=4, hidden=16)),
-                         DPFedAvg(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0, local_steps=3),
+                         FedAvg(lr=1.0, privacy=SampleLevelDP(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0,
+                                                              local_steps=3)),
                          num_rounds=3, seed=0, stacked_round=stacked)
         accountant = RDPAccounting()
         fit_on_gpu(fed, tiny_data(), [accountant])

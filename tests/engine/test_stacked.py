@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
-from fedfdp import ClientModule, DPFedAvg, FedFDP
+from fedfdp import ClientModule, FedAvg, FedFDP
 from fedfdp.privacy.per_sample import GhostEngine, VmapEngine
 from fedfdp.stacked import StackedRound
-from tests.helpers import TinyConvNet, flat, run_federation, tiny_data
+from tests.helpers import TinyConvNet, flat, private, run_federation, tiny_data
 
 DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
 # C large: the fair factor 1 + λ(ℓ_j − F̄) (not C/‖g_j‖) binds, and λ = 1 makes it vary (and go negative)
@@ -73,7 +73,7 @@ def _assert_same_run(stacked_run, per_client_run) -> None:
 @pytest.mark.parametrize("net_kind", ["mlp", "conv"])
 @pytest.mark.parametrize("algorithm", ["dpfedavg", "fedfdp"])
 def test_stacked_round_equals_per_client_round(monkeypatch, algorithm, net_kind):
-    factory = (lambda: DPFedAvg(**DP)) if algorithm == "dpfedavg" else (lambda: FedFDP(**FAIR))
+    factory = (lambda: private(FedAvg, **DP)) if algorithm == "dpfedavg" else (lambda: private(FedFDP, **FAIR))
     counter = CountStacked(monkeypatch)
     stacked = _run(factory, net_kind, stacked=True)
     assert counter.rounds == 3
@@ -96,10 +96,10 @@ def _run_plain(algorithm_factory, net_kind: str, stacked: bool, rounds: int):
 def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monkeypatch, algorithm, net_kind):
     """Local-only DP-SGD and the fine-tuning phase start every client from its own model: one pass
     through the grouped network, the same models, releases and ε as client by client."""
-    from fedfdp.algorithms import DPFedAvgFineTune, DPLocalOnly
+    from fedfdp.algorithms import DPFedAvgFineTune, LocalOnly
 
-    factory = ((lambda: DPLocalOnly(**DP)) if algorithm == "local_dp"
-               else (lambda: DPFedAvgFineTune(finetune_fraction=0.5, finetune_lr=0.3, **DP)))
+    factory = ((lambda: private(LocalOnly, **DP)) if algorithm == "local_dp"
+               else (lambda: private(DPFedAvgFineTune, finetune_fraction=0.5, finetune_lr=0.3, **DP)))
     counter = CountStacked(monkeypatch)
     stacked = _run_plain(factory, net_kind, stacked=True, rounds=4)
     assert counter.rounds == 4
@@ -121,7 +121,7 @@ def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monke
 def test_stacked_round_with_empty_client_batches(monkeypatch, net_kind):
     """A client whose Poisson batch is empty still gets its noise (and a model that moved)."""
     _allow_tiny_batches(monkeypatch)
-    factory = lambda: FedFDP(**{**FAIR, "sample_rate": 0.01})  # noqa: E731  ~100 samples per client
+    factory = lambda: private(FedFDP, **{**FAIR, "sample_rate": 0.01})  # noqa: E731  ~100 samples per client
     counter = CountStacked(monkeypatch)
     stacked = _run(factory, net_kind, stacked=True)
     per_client = _run(factory, net_kind, stacked=False)
@@ -137,7 +137,7 @@ def test_stacked_round_in_several_engine_passes(monkeypatch, max_batch, passes_p
     calls = []
     compute = GhostEngine.compute
     monkeypatch.setattr(GhostEngine, "compute", lambda engine, x, y: calls.append(len(y)) or compute(engine, x, y))
-    factory = lambda: FedFDP(**FAIR)  # noqa: E731
+    factory = lambda: private(FedFDP, **FAIR)  # noqa: E731
     stacked = _run(factory, "conv", stacked=True, stacked_max_batch=max_batch)
     assert len(calls) == 1 + 3 * passes_per_round  # the mechanism's probe of the model at start, then the rounds
     per_client = _run(factory, "conv", stacked=False)
@@ -152,7 +152,7 @@ def _allow_tiny_batches(monkeypatch):
 
 def test_all_batches_empty(monkeypatch):
     _allow_tiny_batches(monkeypatch)
-    factory = lambda: DPFedAvg(**{**DP, "sample_rate": 1e-6})  # noqa: E731
+    factory = lambda: private(FedAvg, **{**DP, "sample_rate": 1e-6})  # noqa: E731
     counter = CountStacked(monkeypatch)
     stacked = _run(factory, "conv", stacked=True, rounds=2)
     per_client = _run(factory, "conv", stacked=False, rounds=2)
@@ -171,7 +171,7 @@ class LoggingClient(ClientModule):
         return super()._private_step(batch)
 
 
-class CountingDPFedAvg(DPFedAvg):
+class CountingDPFedAvg(FedAvg):
     """A user's algorithm with its own local update."""
 
     calls = 0
@@ -194,7 +194,7 @@ def test_client_override_runs_per_client_and_logs_once(monkeypatch, caplog):
 
     from fedfdp import Federation
 
-    fed = Federation(client, DPFedAvg(**DP), num_rounds=3, seed=0)
+    fed = Federation(client, private(FedAvg, **DP), num_rounds=3, seed=0)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
                       callbacks=[RDPAccounting()])
@@ -209,7 +209,7 @@ def test_algorithm_override_runs_per_client_and_logs_once(monkeypatch, caplog):
     counter = CountStacked(monkeypatch)
     caplog.set_level(logging.INFO, logger="fedfdp.stacked")
     CountingDPFedAvg.calls = 0
-    run_federation(CountingDPFedAvg(**DP), [RDPAccounting()], rounds=3)
+    run_federation(private(CountingDPFedAvg, **DP), [RDPAccounting()], rounds=3)
     assert counter.rounds == 0 and CountingDPFedAvg.calls == 9
     messages = _fallback_messages(caplog)
     assert len(messages) == 1 and "CountingDPFedAvg.stackable_step returned None" in messages[0]
@@ -222,8 +222,8 @@ def test_several_local_steps_in_lockstep_equal_the_per_client_round(monkeypatch,
     step k - 1), each client's own batches, clip rule, noise and release: the same global model,
     releases, diagnostics and ε as client by client."""
     monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
-    factory = ((lambda: DPFedAvg(**DP, local_steps=3)) if algorithm == "dpfedavg"
-               else (lambda: FedFDP(**FAIR, local_steps=3)))
+    factory = ((lambda: private(FedAvg, **DP, local_steps=3)) if algorithm == "dpfedavg"
+               else (lambda: private(FedFDP, **FAIR, local_steps=3)))
     counter = CountStacked(monkeypatch)
     lockstep = _run(factory, net_kind, stacked=True)
     assert counter.rounds == 3
@@ -236,7 +236,7 @@ def test_several_local_steps_run_per_client_on_the_cpu_by_default(monkeypatch, c
     """On the CPU client by client is faster for several steps: lockstep is off there unless asked."""
     counter = CountStacked(monkeypatch)
     caplog.set_level(logging.INFO, logger="fedfdp.stacked")
-    run_federation(DPFedAvg(**DP, local_steps=2), [RDPAccounting()], rounds=2)
+    run_federation(private(FedAvg, **DP, local_steps=2), [RDPAccounting()], rounds=2)
     assert counter.rounds == 0
     messages = _fallback_messages(caplog)
     assert len(messages) == 1 and "2 local steps on the CPU" in messages[0]
@@ -245,7 +245,7 @@ def test_several_local_steps_run_per_client_on_the_cpu_by_default(monkeypatch, c
 def test_lockstep_in_several_engine_passes_equals_the_per_client_round(monkeypatch):
     """Lockstep steps within groups of clients (several engine passes a step) change nothing."""
     monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
-    factory = lambda: DPFedAvg(**DP, local_steps=2)  # noqa: E731
+    factory = lambda: private(FedAvg, **DP, local_steps=2)  # noqa: E731
     counter = CountStacked(monkeypatch)
     grouped = _run(factory, "mlp", stacked=True, stacked_max_batch=40)
     assert counter.rounds == 3
@@ -263,7 +263,7 @@ def test_several_local_steps_with_a_stateful_optimizer_run_per_client(monkeypatc
     caplog.set_level(logging.INFO, logger="fedfdp.stacked")
     torch.manual_seed(0)
     client = ClientModule(TinyConvNet(), local_optimizer=lambda params: torch.optim.Adam(params))
-    fed = Federation(client, DPFedAvg(**DP, local_steps=2), num_rounds=2, seed=0)
+    fed = Federation(client, private(FedAvg, **DP, local_steps=2), num_rounds=2, seed=0)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
                       callbacks=[RDPAccounting()])
@@ -280,7 +280,7 @@ def test_vmap_engine_runs_per_client(monkeypatch):
 
     from fedfdp import Federation
 
-    fed = Federation(ClientModule(TinyConvNet(), per_sample="vmap"), DPFedAvg(**DP), num_rounds=1, seed=0)
+    fed = Federation(ClientModule(TinyConvNet(), per_sample="vmap"), private(FedAvg, **DP), num_rounds=1, seed=0)
     Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=-1, callbacks=[RDPAccounting()]).fit(fed, datamodule=tiny_data())
     assert counter.rounds == 0

@@ -126,8 +126,8 @@ LR = "model.algorithm.init_args.lr"
     ("--model.algorithm.init_args.lr", "0.5"),   # the run was launched with this override
     ("--model.algorithm.lr=0.5",),               # the spelling without init_args
     ("--model.algorithm.init_args.lr", "5e-1"),  # exponent spelling (a string to YAML 1.1)
-    ("--model.algorithm", "fedfdp.algorithms.DPFedAvg", "--model.algorithm.init_args.lr", "0.5"),  # its own class
-    ("--model.algorithm", "DPFedAvg", "--model.algorithm.init_args.lr", "0.5"),  # a bare class name
+    ("--model.algorithm", "fedfdp.algorithms.FedAvg", "--model.algorithm.init_args.lr", "0.5"),  # its own class
+    ("--model.algorithm", "FedAvg", "--model.algorithm.init_args.lr", "0.5"),  # a bare class name
     ("--trainer.enable_progress_bar", "true", "--wandb", "disabled", "--model.algorithm.init_args.lr", "0.5",
      "--data.init_args.seed", "0"),  # logging options (HARMLESS) and a restated value
 ])

@@ -19,7 +19,7 @@ def test_apply_overrides_sets_dotted_keys_and_callback_args():
     config = {"model": {"algorithm": {"init_args": {"lr": 1.0}}},
               "trainer": {"callbacks": [{"class_path": "callbacks.RDPAccounting", "init_args": {"target_epsilon": 3.52}}]}}
     apply_overrides(config, {"callback:callbacks.RDPAccounting.target_epsilon": 1.0, "data.init_args.alpha": 0.5,
-                             "model.algorithm.init_args.noise_multiplier": 1.65, "model.num_rounds": 7})
+                             "model.algorithm.init_args.privacy.init_args.noise_multiplier": 1.65, "model.num_rounds": 7})
     assert config["trainer"]["callbacks"][0]["init_args"]["target_epsilon"] == 1.0
     assert config["data"]["init_args"]["alpha"] == 0.5 and config["model"]["num_rounds"] == 7
     assert "noise_multiplier" not in config["model"]["algorithm"]["init_args"]  # non-private: σ does not apply
@@ -74,8 +74,10 @@ def test_tiny_table_end_to_end_and_resumable(tmp_path, monkeypatch, caplog):
     fedfdp = yaml.safe_load(TINY.read_text())
     (configs / "fmnist.yaml").write_text(yaml.safe_dump(fedfdp))
     dp = yaml.safe_load(TINY.read_text())
-    dp["model"]["algorithm"] = {"class_path": "fedfdp.algorithms.DPScaffold",
-                                "init_args": {"lr": 1.0, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}}
+    dp["model"]["algorithm"] = {"class_path": "fedfdp.algorithms.Scaffold",
+                                "init_args": {"lr": 1.0, "privacy": {
+                                    "class_path": "fedfdp.privacy.SampleLevelDP",
+                                    "init_args": {"sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}}}}
     dp["trainer"]["callbacks"] = dp["trainer"]["callbacks"][1:]
     (configs / "fmnist_scaffold_dp.yaml").write_text(yaml.safe_dump(dp))
     out = tmp_path / "out"
@@ -111,7 +113,7 @@ def test_each_client_alone_takes_every_private_columns_epsilon_sigma_and_split(t
     rows: with DP-SGD at the column's ε and σ (Table VI), β and client count (Table V), dataset
     (Table IV); without DP (no accountant) wherever a column changes the data (IV and V: each of
     their columns has the row), not in Table VI, whose columns change only ε."""
-    algorithms = {"local_dp": "fedfdp.algorithms.DPLocalOnly", "local": "fedfdp.algorithms.LocalOnly"}
+    algorithms = {"local_dp": "fedfdp.algorithms.LocalOnly", "local": "fedfdp.algorithms.LocalOnly"}  # privacy tells
     for table, datasets in (("table4", ["fmnist", "mnist"]), ("table5", ["fmnist"]), ("table6", ["fmnist"])):
         runs = plan_runs(table, datasets, [0], tmp_path, REPO / "configs")
         columns = {r.column.label for r in runs}
@@ -123,6 +125,9 @@ def test_each_client_alone_takes_every_private_columns_epsilon_sigma_and_split(t
                 continue
             config = run.spec(None, []).make_config()
             assert config["model"]["algorithm"]["class_path"] == algorithms[run.stem]
+            privacy = config["model"]["algorithm"].get("init_args", {}).get("privacy")
+            assert (privacy or {}).get("class_path") == ("fedfdp.privacy.SampleLevelDP" if run.stem == "local_dp"
+                                                         else None), run.config
             assert config["data"]["class_path"] == {"fmnist": "datamodules.FashionMNISTDataModule",
                                                     "mnist": "datamodules.MNISTDataModule"}[run.column.dataset]
             accountants = [cb for cb in config["trainer"].get("callbacks") or []

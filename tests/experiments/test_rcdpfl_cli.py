@@ -78,7 +78,7 @@ def test_cifar10_loader_on_generated_pickles(tmp_path):
 
 def test_harness_config_calibrates_dpfedavg_and_writes_a_table(tmp_path):
     config = make_config(REPO / "configs/rcdpfl/digits_dpfedavg.yaml", seed=3, epsilon=2.0, rounds=10)
-    args = config["model"]["algorithm"]["init_args"]
+    args = config["model"]["algorithm"]["init_args"]["privacy"]["init_args"]
     steps = args["local_steps"] * 10
     assert epsilon_of([DPEvent(noise_multiplier=args["noise_multiplier"], sample_rate=args["sample_rate"],
                                steps=steps)], 1e-4) <= 2.0
@@ -119,7 +119,7 @@ def test_dpfedavg_noise_is_calibrated_on_the_algorithms_own_schedule():
     from fedfdp.privacy.schedule import calibrate_noise_multiplier
 
     config = make_config(REPO / "configs/rcdpfl/mnist_dpfedavg.yaml", seed=0, epsilon=3.0, rounds=7)
-    args = config["model"]["algorithm"]["init_args"]
+    args = config["model"]["algorithm"]["init_args"]["privacy"]["init_args"]
     one_stage = lambda z: [DPEvent(noise_multiplier=z, sample_rate=args["sample_rate"],  # noqa: E731
                                    steps=args["local_steps"] * 7)]
     assert args["noise_multiplier"] == calibrate_noise_multiplier(one_stage, target_epsilon=3.0, delta=1e-4)

@@ -46,6 +46,12 @@ def _args(config: dict[str, Any]) -> dict[str, Any]:
     return config["model"]["algorithm"]["init_args"]
 
 
+def _mechanism(config: dict[str, Any]) -> dict[str, Any]:
+    """The DP options of a row: its ``privacy`` node's (a private FedAvg) or the algorithm's own."""
+    args = _args(config)
+    return args["privacy"].get("init_args") or {} if isinstance(args.get("privacy"), dict) else args
+
+
 def _callback(config: dict[str, Any], name: str) -> dict[str, Any] | None:
     found = [cb.get("init_args", {}) for cb in config["trainer"].get("callbacks", [])
              if cb["class_path"].endswith("." + name)]
@@ -74,13 +80,14 @@ def test_the_rows_of_a_table_differ_only_in_the_method(dataset):
     _same(table, "seed_everything", lambda c: c.get("seed_everything"))
     _same(table, "the trainer", lambda c: {k: v for k, v in c["trainer"].items() if k != "callbacks"})
     _same(table, "the reference models", lambda c: _callback(c, "ClusterMetrics"))
-    _same(table, "max_grad_norm", lambda c: _args(c)["max_grad_norm"], private)
+    _same(table, "max_grad_norm", lambda c: _mechanism(c)["max_grad_norm"], private)
     _same(table, "target ε and δ", lambda c: {k: _callback(c, "RDPAccounting")[k] for k in ("target_epsilon", "delta")},
           private)
     _same(table, "the lr of the federated methods", lambda c: _args(c)["lr"], set(table) - ALONE)
     _same(table, "the lr of each client alone", lambda c: _args(c)["lr"], ALONE & set(table))
     for method in NON_PRIVATE & set(table):
         assert _callback(table[method], "RDPAccounting") is None and "max_grad_norm" not in _args(table[method])
+        assert _args(table[method]).get("privacy") is None
     batched = {m: c for m, c in table.items() if "batch_size" in _args(c)}
     _same(batched, "batch_size", lambda c: _args(c)["batch_size"])
     _same(batched, "local_epochs", lambda c: _args(c)["local_epochs"])
@@ -89,7 +96,7 @@ def test_the_rows_of_a_table_differ_only_in_the_method(dataset):
 @pytest.mark.parametrize("dataset", sorted(TABLES))
 def test_dpfedavg_spells_the_batch_and_the_epoch_of_the_other_rows(dataset):
     table = TABLES[dataset]
-    args = _args(table["dpfedavg"])
+    args = _mechanism(table["dpfedavg"])
     batch, epochs = _args(table["rcdpfl"])["batch_size"], _args(table["rcdpfl"])["local_epochs"]
     records = table["rcdpfl"]["data"]["init_args"]["train_per_client"]
     assert args["sample_rate"] == pytest.approx(batch / records, rel=1e-12), (dataset, args["sample_rate"], batch, records)

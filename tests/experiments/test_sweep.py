@@ -32,21 +32,19 @@ def _model(run_dir: Path) -> torch.Tensor:
     return torch.cat([v.flatten() for k, v in sorted(state.items()) if k.startswith("global_model.")])
 
 
+PRIVACY = [f"{ALG}privacy", "fedfdp.privacy.SampleLevelDP", f"{ALG}privacy.init_args.sample_rate", "0.2",
+           f"{ALG}privacy.init_args.max_grad_norm", "1.0", f"{ALG}privacy.init_args.noise_multiplier", "1.0"]
 FAMILIES = {
     "dpfedavg": ("tiny_dpfedavg.yaml", []),
     "fedfdp": ("tiny_fedfdp.yaml", []),
-    "local-only-dp": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPLocalOnly",
-                                             f"{ALG}lr", "0.5", f"{ALG}sample_rate", "0.2", f"{ALG}max_grad_norm",
-                                             "1.0", f"{ALG}noise_multiplier", "1.0"]),
+    "local-only-dp": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.LocalOnly",
+                                             f"{ALG}lr", "0.5", *PRIVACY]),
     "finetune": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgFineTune",
-                                        f"{ALG}finetune_fraction", "0.5", f"{ALG}lr", "1.0", f"{ALG}sample_rate",
-                                        "0.2", f"{ALG}max_grad_norm", "1.0", f"{ALG}noise_multiplier", "1.0"]),
+                                        f"{ALG}finetune_fraction", "0.5", f"{ALG}lr", "1.0", *PRIVACY]),
     "prior-correction": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgPriorCorrection",
-                                                f"{ALG}prior_strength", "2.0", f"{ALG}lr", "1.0", f"{ALG}sample_rate",
-                                                "0.2", f"{ALG}max_grad_norm", "1.0", f"{ALG}noise_multiplier", "1.0"]),
+                                                f"{ALG}prior_strength", "2.0", f"{ALG}lr", "1.0", *PRIVACY]),
     "adaptive-clipping": ("tiny_dpfedavg.yaml", ["--model.algorithm", "fedfdp.algorithms.DPFedAvgAdaClip",
-                                                 f"{ALG}lr", "1.0", f"{ALG}sample_rate", "0.2", f"{ALG}max_grad_norm",
-                                                 "1.0", f"{ALG}noise_multiplier", "1.0"]),
+                                                 f"{ALG}lr", "1.0", *PRIVACY]),
 }
 
 
@@ -94,7 +92,7 @@ def test_an_algorithm_the_engine_cannot_batch_is_refused_with_one_line(tmp_path,
                         "--out", str(tmp_path / "sweep")])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, errors
-    assert "DPScaffold" in errors[0] and "cannot be batched" in errors[0]
+    assert "Scaffold has no one-step private update" in errors[0] and "cannot be batched" in errors[0]
     assert not any((tmp_path / "sweep").glob("seed*/summary.json"))  # nothing was fitted
 
 
@@ -102,7 +100,7 @@ def test_several_local_steps_are_refused_not_cut_to_one(tmp_path, capsys):
     """DP-FedAvg with K > 1 local steps stacks in lockstep in a run of its own, but the sweep's shared
     pass is one step a round: it refuses the run rather than taking one step of K."""
     code = experiments(["sweep", "--config", str(CONFIGS / "tiny_dpfedavg.yaml"), "--seeds", "0", "1",
-                        "--out", str(tmp_path / "sweep"), "--fit-args", "--model.algorithm.init_args.local_steps", "2"])
+                        "--out", str(tmp_path / "sweep"), "--fit-args", "--model.algorithm.init_args.privacy.init_args.local_steps", "2"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1, errors
     assert "local_steps=2" in errors[0] and "cannot be batched" in errors[0]

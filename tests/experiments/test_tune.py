@@ -268,7 +268,7 @@ def test_study_scores_on_validation_resumes_and_writes_a_loadable_best_config(tm
     # an interrupted trial 1: asked, its run stopped after round 1 of 2 (a checkpoint, no result)
     study = optuna.load_study(study_name="study", storage=storage)
     trial = study.ask()
-    overrides = {"model.algorithm.init_args.lr": 0.5, "model.algorithm.init_args.local_steps": 1}
+    overrides = {"model.algorithm.init_args.lr": 0.5, "model.algorithm.init_args.privacy.init_args.local_steps": 1}
     trial.set_user_attr("overrides", overrides)
     from fedfdp.experiments.__main__ import build_parser
     from fedfdp.experiments.tune import _settings as settings_of

@@ -17,6 +17,7 @@ from fedfdp.algorithms import FedFDP, Scaffold
 from fedfdp.distributed import FederatedDDPStrategy, gather_updates, rank_and_world
 from fedfdp.errors import ConfigError
 from fedfdp.plan import check_distributed
+from fedfdp.privacy import SampleLevelDP
 from tests.conftest import REPO
 from tests.helpers import tiny_client
 
@@ -62,9 +63,10 @@ def _federation_with(strategy, world_size: int, algorithm, callbacks):
 
 
 @pytest.mark.parametrize("strategy, algorithm, callbacks, message", [
-    (DDPStrategy(), FedFDP(), [], "trainer.strategy must be 'federated_ddp'"),
+    (DDPStrategy(), FedFDP(privacy=SampleLevelDP()), [], "trainer.strategy must be 'federated_ddp'"),
     (FederatedDDPStrategy(), Scaffold(lr=0.1, batch_size=8), [], "Scaffold keeps per-client state"),
-    (FederatedDDPStrategy(), FedFDP(), [SourceInferenceAudit()], "SourceInferenceAudit cannot run"),
+    (FederatedDDPStrategy(), FedFDP(privacy=SampleLevelDP()), [SourceInferenceAudit()],
+     "SourceInferenceAudit cannot run"),
 ])
 def test_multi_process_configs_that_would_be_wrong_are_refused(strategy, algorithm, callbacks, message):
     fed, cbs = _federation_with(strategy, 2, algorithm, callbacks)
@@ -73,7 +75,8 @@ def test_multi_process_configs_that_would_be_wrong_are_refused(strategy, algorit
 
 
 def test_single_process_needs_no_check_and_gather_is_identity():
-    fed, cbs = _federation_with(SingleDeviceStrategy("cpu"), 1, FedFDP(), [NoisyLossReporting(), RDPAccounting()])
+    fed, cbs = _federation_with(SingleDeviceStrategy("cpu"), 1, FedFDP(privacy=SampleLevelDP()),
+                                [NoisyLossReporting(), RDPAccounting()])
     check_distributed(fed.trainer, fed.algorithm, fed.client, cbs)
     assert rank_and_world() == (0, 1)
     updates = [object(), object()]

@@ -8,13 +8,19 @@ from lightning.pytorch import Trainer
 
 from callbacks.base import find_accountant
 from callbacks import FederationCallback, LossReporting, NoisyLossReporting, RDPAccounting
-from fedfdp import DPFedAvg, FedAvg, FedFair, FedFDP, Federation
+from fedfdp import FedAvg, FedFair, FedFDP, Federation
 from fedfdp.errors import ConfigError
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.planning import max_rounds
 from tests.helpers import flat, run_federation, tiny_client, tiny_data
 
-DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+MECHANISM = dict(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+
+
+def dp(**mechanism) -> dict:
+    """lr 1.0 and sample-level DP (``MECHANISM``, with ``mechanism`` changed): DP-FedAvg is FedAvg(**dp())."""
+    return dict(lr=1.0, privacy=SampleLevelDP(**{**MECHANISM, **mechanism}))
 
 
 class Recorder(FederationCallback):
@@ -48,26 +54,27 @@ def test_hook_order_and_round_counter():
 
 
 def test_fedfdp_with_lambda_zero_equals_dp_fedavg_bitwise():
-    fdp, _ = run_federation(FedFDP(fairness_weight=0.0, **DP), [NoisyLossReporting(), RDPAccounting()], rounds=3)
-    dp, _ = run_federation(DPFedAvg(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=3)
-    assert torch.equal(flat(fdp.global_model), flat(dp.global_model))
+    fdp, _ = run_federation(FedFDP(fairness_weight=0.0, **dp()), [NoisyLossReporting(), RDPAccounting()], rounds=3)
+    dpfedavg, _ = run_federation(FedAvg(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=3)
+    assert torch.equal(flat(fdp.global_model), flat(dpfedavg.global_model))
 
 
 def test_fairness_weight_changes_the_model():
-    loose = {**DP, "max_grad_norm": 100.0}  # clip inactive: the factor is 1 + λ(ℓ_j − F̄), not C/‖g_j‖
-    fdp, _ = run_federation(FedFDP(fairness_weight=1.0, **loose), [NoisyLossReporting(), RDPAccounting()], rounds=3)
-    dp, _ = run_federation(DPFedAvg(**loose), [NoisyLossReporting(), RDPAccounting()], rounds=3)
-    assert not torch.equal(flat(fdp.global_model), flat(dp.global_model))
+    loose = dict(max_grad_norm=100.0)  # clip inactive: the factor is 1 + λ(ℓ_j − F̄), not C/‖g_j‖
+    fdp, _ = run_federation(FedFDP(fairness_weight=1.0, **dp(**loose)), [NoisyLossReporting(), RDPAccounting()],
+                            rounds=3)
+    dpfedavg, _ = run_federation(FedAvg(**dp(**loose)), [NoisyLossReporting(), RDPAccounting()], rounds=3)
+    assert not torch.equal(flat(fdp.global_model), flat(dpfedavg.global_model))
 
 
 def test_dp_fedavg_without_noise_equals_fedavg_sgd():
     """σ = 0, huge C, realized-size normalisation ≡ FedAvg with one plain SGD step on the same Poisson batch."""
     acct = RDPAccounting(allow_non_private=True)  # refused without the explicit opt-in
-    dp, _ = run_federation(DPFedAvg(lr=0.5, sample_rate=0.3, max_grad_norm=1e9, noise_multiplier=0.0,
-                                    normalize_by="realized"), [acct], rounds=2)
+    mechanism = SampleLevelDP(sample_rate=0.3, max_grad_norm=1e9, noise_multiplier=0.0, normalize_by="realized")
+    dpfedavg, _ = run_federation(FedAvg(lr=0.5, privacy=mechanism), [acct], rounds=2)
     assert acct.epsilon() == float("inf")  # noiseless releases are not private
     plain, _ = run_federation(FedAvg(lr=0.5, sample_rate=0.3, local_mode="poisson_batch"), [], rounds=2)
-    torch.testing.assert_close(flat(dp.global_model), flat(plain.global_model), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat(dpfedavg.global_model), flat(plain.global_model), rtol=1e-5, atol=1e-6)
 
 
 def test_server_sgd_lr1_is_weighted_average_of_client_models():
@@ -84,7 +91,7 @@ def test_server_sgd_lr1_is_weighted_average_of_client_models():
 
 def test_every_release_is_charged_to_the_accountant():
     acct = RDPAccounting(delta=1e-5)
-    fed, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(noise_multiplier=3.0), acct], rounds=3)
+    fed, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(noise_multiplier=3.0), acct], rounds=3)
     expected = [DPEvent(noise_multiplier=1.0, sample_rate=0.2, steps=3),
                 DPEvent(noise_multiplier=3.0, sample_rate=0.2, steps=3)]
     for cid in range(3):
@@ -95,7 +102,7 @@ def test_every_release_is_charged_to_the_accountant():
 def test_cached_epsilon_is_the_max_over_ledgers_with_sampled_clients_and_after_restore():
     """ε is refreshed only for the round's clients; it must still equal a fresh max over every ledger."""
     acct = RDPAccounting(delta=1e-5)
-    fed, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), acct], rounds=5, clients_per_round=2,
+    fed, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), acct], rounds=5, clients_per_round=2,
                             data=tiny_data(num_clients=6))
     fresh = {cid: led.epsilon(1e-5) for cid, led in acct.ledgers.items()}
     assert 2 <= len(fresh) <= 6 and len({round(e, 9) for e in fresh.values()}) >= 1
@@ -109,7 +116,7 @@ def test_cached_epsilon_is_the_max_over_ledgers_with_sampled_clients_and_after_r
 def test_budget_stops_the_run_and_is_never_exceeded():
     target = 6.0
     acct = RDPAccounting(target_epsilon=target, delta=1e-5)
-    fed, trainer = run_federation(FedFDP(**DP), [NoisyLossReporting(), acct], rounds=None)
+    fed, trainer = run_federation(FedFDP(**dp()), [NoisyLossReporting(), acct], rounds=None)
     per_round = [DPEvent(noise_multiplier=1.0, sample_rate=0.2), DPEvent(noise_multiplier=5.0, sample_rate=0.2)]
     limit = max_rounds(per_round, target_epsilon=target, delta=1e-5)
     assert trainer.global_step == limit
@@ -119,7 +126,7 @@ def test_budget_stops_the_run_and_is_never_exceeded():
 
 def test_model_only_mode_budgets_gradient_steps_but_logs_true_epsilon():
     acct = RDPAccounting(target_epsilon=6.0, delta=1e-5, accounting_mode="model_only")
-    fed, trainer = run_federation(FedFDP(**DP), [NoisyLossReporting(noise_multiplier=1.0), acct], rounds=None)
+    fed, trainer = run_federation(FedFDP(**dp()), [NoisyLossReporting(noise_multiplier=1.0), acct], rounds=None)
     assert trainer.global_step == max_rounds([DPEvent(noise_multiplier=1.0, sample_rate=0.2)],
                                              target_epsilon=6.0, delta=1e-5)
     assert acct.budgeted_epsilon() <= 6.0
@@ -129,9 +136,9 @@ def test_model_only_mode_budgets_gradient_steps_but_logs_true_epsilon():
 
 
 @pytest.mark.parametrize("algorithm, callbacks, missing", [
-    (FedFDP(**DP), [RDPAccounting()], "NoisyLossReporting"),
-    (FedFDP(**DP), [NoisyLossReporting()], "RDPAccounting"),
-    (DPFedAvg(**DP), [], "RDPAccounting"),
+    (FedFDP(**dp()), [RDPAccounting()], "NoisyLossReporting"),
+    (FedFDP(**dp()), [NoisyLossReporting()], "RDPAccounting"),
+    (FedAvg(**dp()), [], "RDPAccounting"),
     (FedFair(), [], "LossReporting"),
 ])
 def test_refuses_to_start_without_the_callback_that_privatises_a_release(algorithm, callbacks, missing):
@@ -157,9 +164,9 @@ def test_fedfair_with_lambda_zero_equals_fedavg():
 
 
 def test_same_seed_same_model_different_seed_different_model():
-    a, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=3)
-    b, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=3)
-    c, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=4)
+    a, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=3)
+    b, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=3)
+    c, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=2, seed=4)
     assert torch.equal(flat(a.global_model), flat(b.global_model))
     assert not torch.equal(flat(a.global_model), flat(c.global_model))
 
@@ -168,7 +175,7 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path):
     """2 rounds, checkpoint, resume to 4 ≡ 4 rounds straight (model, accountant, loss bounds)."""
     def make(rounds, ckpt_dir=None):
         cbs = [NoisyLossReporting(), RDPAccounting()]
-        fed = Federation(tiny_client(), FedFDP(**DP), num_rounds=rounds, seed=1)
+        fed = Federation(tiny_client(), FedFDP(**dp()), num_rounds=rounds, seed=1)
         extra = {}
         if ckpt_dir is not None:
             from lightning.pytorch.callbacks import ModelCheckpoint
@@ -206,7 +213,7 @@ def test_evaluation_groups_give_per_client_models():
 
 def test_the_federation_owns_one_accountant_and_refuses_a_second():
     accountant = RDPAccounting()
-    fed, _ = run_federation(DPFedAvg(**DP), [NoisyLossReporting(), accountant], rounds=1)
+    fed, _ = run_federation(FedAvg(**dp()), [NoisyLossReporting(), accountant], rounds=1)
     assert fed.accountant is accountant
     fed_plain, _ = run_federation(FedAvg(lr=0.1), [], rounds=1)
     assert fed_plain.accountant is None

@@ -16,6 +16,7 @@ import torch
 from callbacks import NoisyLossReporting, RDPAccounting
 from fedfdp import FedFDP
 from fedfdp.fit import main
+from fedfdp.privacy import SampleLevelDP
 from fedfdp.report import main as report_main
 from fedfdp.seeding import SecureGenerator
 from tests.conftest import REPO
@@ -23,7 +24,11 @@ from tests.helpers import flat, run_federation
 from tests.cli.test_cli import TINY
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
-DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
+
+
+def dp() -> dict:
+    """lr 1.0 and sample-level DP (a fresh mechanism for each algorithm)."""
+    return dict(lr=1.0, privacy=SampleLevelDP(sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0))
 
 
 def _fit_cmd(run_dir, *extra):
@@ -88,7 +93,8 @@ def test_resuming_a_run_that_spent_its_budget_is_refused(tmp_path, capsys):
 
 def test_divergence_stops_with_round_and_client(tmp_path, capsys):
     code = main(["--config", TINY, "--run_dir", str(tmp_path / "run"),
-                 "--model.algorithm", "fedfdp.algorithms.FedAvg", "--model.algorithm.init_args.lr", "1e38",
+                 "--model.algorithm", "fedfdp.algorithms.FedAvg", "--model.algorithm.init_args.privacy", "null",
+                 "--model.algorithm.init_args.lr", "1e38",
                  "--trainer.callbacks", "[]", "--model.num_rounds", "5"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 3 and len(err) == 1  # exit status 3: diverged
@@ -101,8 +107,8 @@ def test_secure_generator_draws_standard_normals_and_runs_differ():
     assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1.0) < 0.01
     u = gen.uniform(10_000)
     assert (u > 0).all() and (u <= 1).all()
-    a, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=1, secure_rng=True)
-    b, _ = run_federation(FedFDP(**DP), [NoisyLossReporting(), RDPAccounting()], rounds=1, secure_rng=True)
+    a, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=1, secure_rng=True)
+    b, _ = run_federation(FedFDP(**dp()), [NoisyLossReporting(), RDPAccounting()], rounds=1, secure_rng=True)
     assert not torch.equal(flat(a.global_model), flat(b.global_model))
 
 

@@ -28,6 +28,7 @@ from tests.conftest import REPO
 from tests.cli.test_cli import TINY
 
 ALG = "--model.algorithm.init_args."
+PRIV = ALG + "privacy.init_args."  # the privacy mechanism's (fedfdp.privacy.SampleLevelDP) options
 
 
 def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -49,7 +50,7 @@ def _steps(run_dir: Path) -> list[int]:
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-round run with noise_multiplier 2.0 (copied by each test that changes it)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    assert main(["--config", TINY, "--run_dir", str(run_dir), ALG + "noise_multiplier", "2.0"]) == 0
+    assert main(["--config", TINY, "--run_dir", str(run_dir), PRIV + "noise_multiplier", "2.0"]) == 0
     return run_dir
 
 
@@ -62,12 +63,13 @@ def run(finished: Path, tmp_path: Path) -> Path:
 # ---- 1. a resume keeps the saved configuration ---------------------------------------------------
 @pytest.mark.slow
 def test_resume_with_a_changed_hyperparameter_is_refused_naming_field_and_values(run, capsys):
-    code = main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "1.5", "--ckpt_path", "last"])
+    code = main(["--config", TINY, "--run_dir", str(run), PRIV + "noise_multiplier", "1.5", "--ckpt_path", "last"])
     err = _errors(capsys)
     assert code == 2 and len(err) == 1, err
-    assert "model.algorithm.init_args.noise_multiplier" in err[0] and "2.0" in err[0] and "1.5" in err[0]
+    assert "model.algorithm.init_args.privacy.init_args.noise_multiplier" in err[0], err
+    assert "2.0" in err[0] and "1.5" in err[0]
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["model"]["algorithm"]["init_args"]["noise_multiplier"] == 2.0
+    assert saved["model"]["algorithm"]["init_args"]["privacy"]["init_args"]["noise_multiplier"] == 2.0
 
 
 @pytest.mark.slow
@@ -86,14 +88,15 @@ def test_resume_refuses_every_run_changing_field(run, capsys, args, field):
 
 @pytest.mark.slow
 def test_resume_allows_logging_overrides_and_more_rounds(run, capsys):
-    code = main(["--config", TINY, "--run_dir", str(run), "--ckpt_path", "last", ALG + "noise_multiplier", "2.0",
+    code = main(["--config", TINY, "--run_dir", str(run), "--ckpt_path", "last", PRIV + "noise_multiplier", "2.0",
                  "--model.num_rounds", "3", "--trainer.log_every_n_steps", "5", "--wandb", "disabled",
                  "--wandb_project", "other", "--trainer.enable_model_summary", "true", "--checkpoint_every", "2"])
     assert code == 0, _errors(capsys)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds_run"] == 3 and [h["round"] for h in summary["history"]] == [1, 2, 3]
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["model"]["num_rounds"] == 3 and saved["model"]["algorithm"]["init_args"]["noise_multiplier"] == 2.0
+    assert saved["model"]["num_rounds"] == 3
+    assert saved["model"]["algorithm"]["init_args"]["privacy"]["init_args"]["noise_multiplier"] == 2.0
 
 
 @pytest.mark.slow
@@ -102,7 +105,7 @@ def test_resume_needs_no_config_it_reads_the_run_directory(run, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds_run"] == 3
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["model"]["algorithm"]["init_args"]["noise_multiplier"] == 2.0
+    assert saved["model"]["algorithm"]["init_args"]["privacy"]["init_args"]["noise_multiplier"] == 2.0
 
 
 def test_resume_without_config_of_a_directory_without_config_yaml_is_refused(tmp_path, capsys):
@@ -117,7 +120,7 @@ def test_resume_without_config_of_a_directory_without_config_yaml_is_refused(tmp
 def test_refused_resume_changes_no_file(run, capsys):
     (run / "privacy_ledger.jsonl").write_text('{"round": 0}\n')  # whatever the run dir holds stays as is
     before = _snapshot(run)
-    assert main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "1.5", "--ckpt_path", "last"]) == 2
+    assert main(["--config", TINY, "--run_dir", str(run), PRIV + "noise_multiplier", "1.5", "--ckpt_path", "last"]) == 2
     assert len(_errors(capsys)) == 1
     assert _snapshot(run) == before
 
@@ -125,7 +128,7 @@ def test_refused_resume_changes_no_file(run, capsys):
 @pytest.mark.slow
 def test_refused_fresh_start_into_a_finished_run_changes_no_file(run, capsys):
     before = _snapshot(run)
-    assert main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "2.0"]) == 2
+    assert main(["--config", TINY, "--run_dir", str(run), PRIV + "noise_multiplier", "2.0"]) == 2
     err = _errors(capsys)
     assert len(err) == 1 and "already holds" in err[0]
     assert _snapshot(run) == before
@@ -134,7 +137,7 @@ def test_refused_fresh_start_into_a_finished_run_changes_no_file(run, capsys):
 def test_fresh_start_into_a_started_run_without_summary_is_refused(run, capsys):
     (run / "summary.json").unlink()  # e.g. a run killed before its first evaluation
     before = _snapshot(run)
-    assert main(["--config", TINY, "--run_dir", str(run), ALG + "noise_multiplier", "2.0"]) == 2
+    assert main(["--config", TINY, "--run_dir", str(run), PRIV + "noise_multiplier", "2.0"]) == 2
     err = _errors(capsys)
     assert len(err) == 1 and "already holds" in err[0] and "checkpoints/" in err[0], err
     assert _snapshot(run) == before
@@ -187,6 +190,7 @@ def test_divergence_in_round_one_claims_only_what_the_run_directory_holds(tmp_pa
     logging.getLogger("fedfdp").addHandler(handler)
     try:
         code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
+                     ALG + "privacy", "null",  # plain FedAvg: the FedFDP config's privacy would carry over
                      ALG + "lr", "1e38", "--trainer.callbacks", "[]", "--model.num_rounds", "5"])
     finally:
         logging.getLogger("fedfdp").removeHandler(handler)
@@ -204,7 +208,7 @@ def test_divergence_in_round_one_claims_only_what_the_run_directory_holds(tmp_pa
 
 # ---- 5. run directory creation, run_dir in config.yaml --------------------------------------------
 @pytest.mark.parametrize("args", [["--data.init_args.num_clients", "500"], ["--model.clients_per_round", "9"],
-                                  [ALG + "sample_rate", "1.5"], ["--checkpoint_every", "0"]],
+                                  [PRIV + "sample_rate", "1.5"], ["--checkpoint_every", "0"]],
                          ids=["data", "federation", "algorithm", "checkpoint_every"])
 def test_failed_start_leaves_no_run_directory(tmp_path, capsys, args):
     run_dir = tmp_path / "new" / "run"
@@ -298,7 +302,7 @@ def test_checkpoint_every_sets_how_many_rounds_a_killed_run_replays(tmp_path, ca
     ``eval_every: 3`` a run killed after round 2 finds ``round-2.ckpt`` with ``--checkpoint_every 1``
     and no round checkpoint without it (it would replay, and charge again, rounds 1-2)."""
     run_dir = tmp_path / "run"
-    args = ["--config", TINY, "--run_dir", str(run_dir), ALG + "noise_multiplier", "2.0",
+    args = ["--config", TINY, "--run_dir", str(run_dir), PRIV + "noise_multiplier", "2.0",
             "--model.eval_every", "3", "--model.num_rounds", "2"]
     assert main(args + (["--checkpoint_every", str(every)] if every else [])) == 0, _errors(capsys)
     rounds = sorted(p.name for p in (run_dir / "checkpoints").glob("round-*.ckpt"))

@@ -19,13 +19,14 @@ flwr = pytest.importorskip("flwr", reason="the flower extra is not installed (pi
 import torch  # noqa: E402
 
 from callbacks import NoisyLossReporting, RDPAccounting, SourceInferenceAudit  # noqa: E402
-from fedfdp.algorithms import DPDitto, DPFedAvg, DPFedAvgPriorCorrection, FedFDP, FedFDPFairAgg, Scaffold  # noqa: E402
+from fedfdp.algorithms import Ditto, DPFedAvgPriorCorrection, FedAvg, FedFDP, FedFDPFairAgg, Scaffold  # noqa: E402
 from fedfdp.errors import ConfigError  # noqa: E402
 from fedfdp.flower import protocol  # noqa: E402
 from fedfdp.flower.node import NodeClient, NodeSettings  # noqa: E402
 from fedfdp.flower.node_ledger import NodeLedger, ledger_path  # noqa: E402
 from fedfdp.flower.server_app import DEPLOYMENT_RECORD, ServerSettings, run_server  # noqa: E402
 from fedfdp.flower.strategy import check_deployable  # noqa: E402
+from fedfdp.privacy import SampleLevelDP  # noqa: E402
 from fedfdp.privacy.accounting import DPEvent, epsilon_of  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
 from fedfdp.seeding import SecureGenerator  # noqa: E402
@@ -85,7 +86,8 @@ def test_secure_rng_is_the_node_default(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm, callbacks, message", [
-    (FedFDP(), [NoisyLossReporting(), RDPAccounting(), SourceInferenceAudit()], "SourceInferenceAudit reads every"),
+    (FedFDP(privacy=SampleLevelDP()), [NoisyLossReporting(), RDPAccounting(), SourceInferenceAudit()],
+     "SourceInferenceAudit reads every"),
 ])
 def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -94,8 +96,10 @@ def test_what_cannot_run_on_nodes_is_refused_with_one_line(algorithm, callbacks,
 
 
 def test_deployable_algorithms():
-    for algorithm in (DPFedAvg(), FedFDP(), FedFDPFairAgg(), Scaffold(), DPDitto(),  # all: test_flower_algorithms
-                      DPFedAvgPriorCorrection()):
+    # all: test_flower_algorithms; DP-FedAvg and DP-Ditto are FedAvg and Ditto with privacy (lr 1.0, the twins' default)
+    for algorithm in (FedAvg(lr=1.0, privacy=SampleLevelDP()), FedFDP(privacy=SampleLevelDP()),
+                      FedFDPFairAgg(privacy=SampleLevelDP()), Scaffold(), Ditto(lr=1.0, privacy=SampleLevelDP()),
+                      DPFedAvgPriorCorrection(privacy=SampleLevelDP())):
         check_deployable(algorithm, [NoisyLossReporting(), RDPAccounting()])
 
 

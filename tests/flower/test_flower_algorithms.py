@@ -28,7 +28,7 @@ from fedfdp.flower.node_state import ClientStateError, NodeStateFile, state_path
 from fedfdp.flower.server_app import ServerSettings, run_server  # noqa: E402
 from fedfdp.flower.strategy import check_deployable  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
-from tests.algorithm_cases import CASES, NOT_DEPLOYABLE, algorithm_config  # noqa: E402
+from tests.algorithm_cases import ALL_CASES, CASES, NOT_DEPLOYABLE, algorithm_config  # noqa: E402
 from tests.flower_harness import InProcessGrid, client_epsilons, global_model, grid_nodes  # noqa: E402
 
 ROUNDS = 3
@@ -47,18 +47,19 @@ def test_every_algorithm_is_deployable_or_says_why():
 
 
 def test_an_algorithm_can_refuse_deployment_in_one_line():
-    from fedfdp.algorithms import DPFedAvg
+    from fedfdp.algorithms import FedAvg
+    from fedfdp.privacy import SampleLevelDP
 
-    class NotOnNodes(DPFedAvg):
+    class NotOnNodes(FedAvg):  # DP-FedAvg: FedAvg with privacy
         deploy_refusal = "needs every client's data on the server"
 
     with pytest.raises(ConfigError, match="NotOnNodes cannot run in a Flower deployment: it needs every") as err:
-        check_deployable(NotOnNodes(), [])
+        check_deployable(NotOnNodes(lr=1.0, privacy=SampleLevelDP()), [])
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
 def test_deployed_algorithm_equals_simulation(name, tmp_path):
     """3 rounds deployed (nodes restarted before the last) = 3 rounds simulated: model, evaluation, ε."""
     config = algorithm_config(name, tmp_path)

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from fedfdp.flower.node_ledger import NodeLedger, ledger_path  # noqa: E402
 from fedfdp.flower.server_app import DEPLOYMENT_RECORD  # noqa: E402
 from fedfdp.privacy.ledger_file import LedgerFile  # noqa: E402
-from tests.algorithm_cases import CASES, algorithm_config  # noqa: E402
+from tests.algorithm_cases import ALL_CASES, algorithm_config  # noqa: E402
 from tests.flower_harness import CONFIGS, OVERRIDES, ROUNDS, TIGHT_TARGET, Deployment, client_epsilons, \
     global_model, max_relative_difference, node_config, simulate, tools_missing, upload_rows  # noqa: E402
 
@@ -60,7 +60,7 @@ def federation(tmp_path_factory):
 #: over real processes (its evaluation equal, its loss within 2e-8); the in-process grid holds 1e-6
 MODEL_TOLERANCE = {"FinP": 2e-5}
 DEPLOYED = ["fedfdp", "dpscaffold", "dpditto",
-            *(pytest.param(name, marks=pytest.mark.flower_all) for name in sorted(CASES))]
+            *(pytest.param(name, marks=pytest.mark.flower_all) for name in sorted(ALL_CASES))]
 
 
 @pytest.mark.flower

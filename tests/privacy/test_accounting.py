@@ -274,11 +274,11 @@ def test_prv_gives_fedfdp_more_rounds_at_the_paper_budget():
 def test_a_run_with_the_prv_accountant_plans_more_rounds_and_keeps_the_target():
     from callbacks import NoisyLossReporting, RDPAccounting
     from fedfdp import FedFDP
-    from tests.helpers import run_federation
+    from tests.helpers import private, run_federation
 
     algorithm = dict(lr=1.0, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
     rdp, prv = RDPAccounting(target_epsilon=8.0), RDPAccounting(target_epsilon=8.0, accountant="prv")
-    fed_rdp, _ = run_federation(FedFDP(**algorithm), [NoisyLossReporting(), rdp], rounds=None)
-    fed_prv, _ = run_federation(FedFDP(**algorithm), [NoisyLossReporting(), prv], rounds=None)
+    fed_rdp, _ = run_federation(private(FedFDP, **algorithm), [NoisyLossReporting(), rdp], rounds=None)
+    fed_prv, _ = run_federation(private(FedFDP, **algorithm), [NoisyLossReporting(), prv], rounds=None)
     assert fed_prv.total_rounds > fed_rdp.total_rounds
     assert prv.epsilon() <= 8.0 < prv.epsilon_rdp()

@@ -1,7 +1,7 @@
 """The only channel from a client to the server is its upload (fedfdp.privacy.channel).
 
 The class: "the server half reads what the client half kept". The issue named one member (a
-DPFedAvg subclass that stores a client's raw mean label on ``self`` in ``local_update`` and writes
+FedAvg subclass (run privately) that stores a client's raw mean label on ``self`` in ``local_update`` and writes
 it into the global model in ``aggregate``); the others below were not listed: a list attribute
 appended to in place, a tensor attribute changed in place, a numpy array written in place, a
 field of a nested object, a stacked step's halves writing to ``self``, and the server's half
@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from callbacks import RDPAccounting
-from fedfdp.algorithms import DPFedAvg, DPScaffold
+from fedfdp.algorithms import FedAvg, Scaffold
 from fedfdp.errors import PrivacyError
 from fedfdp.privacy.channel import changed_attribute, fingerprint
-from tests.helpers import RecordingAccountant as _Recorder, run_federation
+from tests.helpers import RecordingAccountant as _Recorder, private, run_federation
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 
 
 
 
-class _StashedMean(DPFedAvg):
+class _StashedMean(FedAvg):
     """The issue's example: client 0's mean label kept on ``self``, written into the global model."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -41,7 +41,7 @@ class _StashedMean(DPFedAvg):
         return target
 
 
-class _AppendedList(DPFedAvg):
+class _AppendedList(FedAvg):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.seen: list[float] = []
@@ -51,7 +51,7 @@ class _AppendedList(DPFedAvg):
         return super().local_update(client, data, context, generator)
 
 
-class _TensorInPlace(DPFedAvg):
+class _TensorInPlace(FedAvg):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.total = torch.zeros(())
@@ -61,7 +61,7 @@ class _TensorInPlace(DPFedAvg):
         return super().local_update(client, data, context, generator)
 
 
-class _ArrayInPlace(DPFedAvg):
+class _ArrayInPlace(FedAvg):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.counts = np.zeros(4)
@@ -78,7 +78,7 @@ class _Notes:
 _Notes.__module__ = "fedfdp.tests_notes"  # a fedfdp object: the fingerprint looks inside it
 
 
-class _NestedField(DPFedAvg):
+class _NestedField(FedAvg):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.notes = _Notes()
@@ -88,7 +88,7 @@ class _NestedField(DPFedAvg):
         return super().local_update(client, data, context, generator)
 
 
-class _StackedHalves(DPFedAvg):
+class _StackedHalves(FedAvg):
     """The stacked path: the step's batch half keeps the client's batch size on ``self``."""
 
     def stackable_step(self, context):  # noqa: D102
@@ -105,7 +105,7 @@ class _StackedHalves(DPFedAvg):
         return dataclasses.replace(spec, batch=keep)
 
 
-class _ServerReadsClientState(DPScaffold):
+class _ServerReadsClientState(Scaffold):
     """The server's half reads client 0's control variate ``c_0`` (kept on the client)."""
 
     def aggregate(self, global_params, updates, context):  # noqa: D102
@@ -131,7 +131,7 @@ def test_state_the_clients_half_leaves_for_the_server_is_refused_before_any_rele
         pytest.skip("the stacked halves run only in a stacked round")
     accountant = _Recorder()
     with pytest.raises(PrivacyError, match="the clients' half of model.algorithm") as err:
-        run_federation(make(**DP), [accountant], stacked_round=stacked)
+        run_federation(private(make, **DP), [accountant], stacked_round=stacked)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert accountant.charged == []  # refused before its ledger entry: nothing left the client
 
@@ -139,18 +139,16 @@ def test_state_the_clients_half_leaves_for_the_server_is_refused_before_any_rele
 def test_the_servers_half_cannot_read_what_a_client_keeps():
     accountant = _Recorder()
     with pytest.raises(PrivacyError, match=r"server half \(aggregate\) read client 0's 'c'"):
-        run_federation(_ServerReadsClientState(**DP), [accountant])
+        run_federation(private(_ServerReadsClientState, **DP), [accountant])
 
 
 def test_allow_non_private_runs_it_with_epsilon_infinite():
     accountant = RDPAccounting(allow_non_private=True)
-    run_federation(_StashedMean(**DP), [accountant])
+    run_federation(private(_StashedMean, **DP), [accountant])
     assert math.isinf(accountant.epsilon()) and not accountant.guarantee_holds
 
 
 def test_a_plain_run_is_not_checked():
-    from fedfdp.algorithms import FedAvg
-
     class Plain(FedAvg):
         def local_update(self, client, data, context, generator):  # noqa: D102
             self.stash = data.size
@@ -161,7 +159,7 @@ def test_a_plain_run_is_not_checked():
 
 
 def test_the_fingerprint_sees_each_kind_of_change_and_nothing_else():
-    algorithm = DPFedAvg(**DP)
+    algorithm = private(FedAvg, **DP)
     algorithm.tensor, algorithm.array, algorithm.items = torch.zeros(2), np.zeros(2), {"a": [1.0, float("nan")]}
     before = fingerprint(algorithm)
     assert changed_attribute(algorithm, before) is None  # NaN equals itself
@@ -178,7 +176,7 @@ def test_the_fingerprint_sees_each_kind_of_change_and_nothing_else():
     assert changed_attribute(algorithm, before) == "tensor"
 
 
-class _ReadsDiagnostics(DPFedAvg):
+class _ReadsDiagnostics(FedAvg):
     """Not listed: the server's half reads a simulation diagnostic (the raw mean training loss)."""
 
     seen: list[dict] = []
@@ -198,6 +196,6 @@ def test_diagnostics_reach_the_logs_not_the_servers_half():
             type(self).keys |= set(metrics)
 
     _ReadsDiagnostics.seen = []
-    run_federation(_ReadsDiagnostics(**DP), [RDPAccounting(), Metrics()], rounds=1)
+    run_federation(private(_ReadsDiagnostics, **DP), [RDPAccounting(), Metrics()], rounds=1)
     assert _ReadsDiagnostics.seen == [{}, {}, {}]  # three clients, nothing but the releases
     assert {"client_train_loss", "client_batch_size"} <= Metrics.keys  # the logs still have them

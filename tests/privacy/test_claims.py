@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from callbacks import LossReporting, NoisyLossReporting, RDPAccounting
 from callbacks.summary import privacy_claims
-from fedfdp.algorithms import Algorithm, DPDitto, DPFedAvg, FedAvg, FedFair, FedFDP
+from fedfdp.algorithms import Algorithm, Ditto, FedAvg, FedFair, FedFDP
 from fedfdp.errors import ConfigError, PrivacyError
 from fedfdp.fit import main
 from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.uploads import POST_PROCESSING, unprotected_fields
 from fedfdp.types import LOSS_RELEASE, MODEL_RELEASE, ClientUpdate
-from tests.helpers import run_federation, tiny_data
+from tests.helpers import private, run_federation, tiny_data
 from tests.cli.test_cli import TINY
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
@@ -38,18 +38,28 @@ def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
 def test_non_private_algorithm_with_dp_callbacks_is_refused_before_the_run_directory(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
-                 "--model.algorithm.init_args.lr", "0.05"])
+                 "--model.algorithm.init_args.lr", "0.05",
+                 "--model.algorithm.init_args.privacy", "null"])
     err = _errors(capsys)
     assert code == 2 and len(err) == 1, err
     assert "FedAvg" in err[0] and "model update" in err[0] and "allow_non_private" in err[0]
     assert not run_dir.exists()
 
 
+#: TINY's callbacks with allow_non_private; the loss release's rate given (a non-private algorithm has no
+#: mechanism whose rate it could share)
+_NON_PRIVATE_CALLBACKS = [
+    {"class_path": "callbacks.NoisyLossReporting", "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0, "sample_rate": 0.2}},
+    {"class_path": "callbacks.RDPAccounting",
+     "init_args": {"target_epsilon": 10.0, "delta": 1.0e-5, "allow_non_private": True}}]
+
+
 @pytest.mark.slow
 def test_allow_non_private_runs_it_with_no_claim(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["--config", TINY, "--run_dir", str(run_dir), "--model.algorithm", "fedfdp.algorithms.FedAvg",
-                 "--model.algorithm.init_args.lr", "0.05", "--trainer.callbacks.init_args.allow_non_private", "true"])
+                 "--model.algorithm.init_args.lr", "0.05",
+                 "--model.algorithm.init_args.privacy", "null", "--trainer.callbacks", json.dumps(_NON_PRIVATE_CALLBACKS)])
     assert code == 0, capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dp_valid"] is False and summary["evaluated_models_private"] is False
@@ -69,7 +79,7 @@ def test_an_algorithm_that_declares_nothing_is_not_private():
 
 
 # ---- 2. every upload field actually released must be covered ---------------------------------------
-class _Smuggler(DPFedAvg):
+class _Smuggler(FedAvg):
     """DP-FedAvg that also uploads an undeclared statistic of its data."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -78,7 +88,7 @@ class _Smuggler(DPFedAvg):
         return update
 
 
-class _Uncharged(DPFedAvg):
+class _Uncharged(FedAvg):
     """DP-FedAvg that forgets to charge its model release."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -98,9 +108,9 @@ class _Trace(RDPAccounting):
 
 
 @pytest.mark.parametrize(("algorithm", "message"), [
-    (_Smuggler(**DP), r"carries extras\['label_counts'\]"),
+    (private(_Smuggler, **DP), r"carries extras\['label_counts'\]"),
     # the mechanism's receipts see it first: a release made and not charged
-    (_Uncharged(**DP), r"made 1 private release\(s\) 'model' at sigma=1, q=0.2 that the upload does not charge")],
+    (private(_Uncharged, **DP), r"made 1 private release\(s\) 'model' at sigma=1, q=0.2 that the upload does not charge")],
     ids=["undeclared-extra", "uncharged-model"])
 def test_an_upload_with_an_unprotected_field_never_leaves(algorithm, message):
     accountant = _Trace()
@@ -125,7 +135,7 @@ def test_unprotected_fields_checks_each_field_against_declaration_and_events():
 def test_exact_loss_reporting_with_a_dp_algorithm_is_refused():
     """FedFDP's model update is private, but an exact loss upload beside it is not."""
     with pytest.raises(ConfigError, match="reported loss leaves each client without clipping"):
-        run_federation(DPFedAvg(**DP), [LossReporting(), RDPAccounting(target_epsilon=5.0)])
+        run_federation(private(FedAvg, **DP), [LossReporting(), RDPAccounting(target_epsilon=5.0)])
 
 
 # ---- 3. δ and ε -------------------------------------------------------------------------------------
@@ -134,8 +144,8 @@ def test_delta_at_or_above_one_over_the_smallest_client_is_refused():
     data.setup("fit")
     n = min(int(s) for s in data.train_sizes)
     with pytest.raises(ConfigError, match=rf"delta=.* guarantees nothing: it must be in \(0, 1/n\) with n = {n}"):
-        run_federation(DPFedAvg(**DP), [RDPAccounting(delta=1.0 / n)], data=tiny_data())
-    fed, trainer = run_federation(DPFedAvg(**DP), [RDPAccounting(delta=0.99 / n)], rounds=1, data=tiny_data())
+        run_federation(private(FedAvg, **DP), [RDPAccounting(delta=1.0 / n)], data=tiny_data())
+    fed, trainer = run_federation(private(FedAvg, **DP), [RDPAccounting(delta=0.99 / n)], rounds=1, data=tiny_data())
     assert privacy_claims(trainer, fed)["dp_valid"]
 
 
@@ -165,10 +175,10 @@ def test_prv_falls_back_to_the_rdp_bound_where_opacus_cannot_compute_it(caplog):
 
 # ---- 4. which models ε covers ---------------------------------------------------------------------
 @pytest.mark.parametrize(("make", "callbacks", "dp_valid", "evaluated_private"), [
-    (lambda: DPFedAvg(**DP), lambda: [RDPAccounting()], True, True),
-    (lambda: FedFDP(**DP), lambda: [NoisyLossReporting(), RDPAccounting()], True, True),
-    (lambda: DPDitto(**DP, private_personal=True), lambda: [RDPAccounting()], True, True),
-    (lambda: DPDitto(**DP, private_personal=False, personal_lr=0.05), lambda: [RDPAccounting()], True, False),
+    (lambda: private(FedAvg, **DP), lambda: [RDPAccounting()], True, True),
+    (lambda: private(FedFDP, **DP), lambda: [NoisyLossReporting(), RDPAccounting()], True, True),
+    (lambda: private(Ditto, **DP, private_personal=True), lambda: [RDPAccounting()], True, True),
+    (lambda: private(Ditto, **DP, private_personal=False, personal_lr=0.05), lambda: [RDPAccounting()], True, False),
     (lambda: FedAvg(lr=0.1), lambda: [], False, False),
     (lambda: FedFair(lr=0.1), lambda: [LossReporting()], False, False),
 ], ids=["dpfedavg", "fedfdp", "dp-ditto-private", "dp-ditto-personal-kept", "fedavg", "fedfair"])
@@ -177,14 +187,14 @@ def test_summary_claims(make, callbacks, dp_valid, evaluated_private):
     assert privacy_claims(trainer, fed) == {"dp_valid": dp_valid, "evaluated_models_private": evaluated_private}
 
 
-class _PersonalKept(DPFedAvg):
+class _PersonalKept(FedAvg):
     """DP-FedAvg that evaluates models it says nothing about (a user's new personalised module)."""
 
     def evaluation_groups(self, global_params, num_clients):  # noqa: D102
         return [([i], global_params.clone()) for i in range(num_clients)]
 
 
-class _OffsetsFromRawData(DPFedAvg):
+class _OffsetsFromRawData(FedAvg):
     """DP-FedAvg whose clients shift their logits by something it does not declare."""
 
     def evaluation_logit_offsets(self):  # noqa: D102
@@ -200,16 +210,21 @@ class _DeclaredPersonal(_PersonalKept):
 def test_an_overridden_evaluation_hook_without_a_declaration_is_not_covered():
     """Fail-closed: a declaration inherited from above the class that overrides an evaluation hook
     does not cover the new hook; the run stays DP, but ε no longer covers what it evaluates."""
-    from fedfdp.algorithms import DPLocalOnly
+    from fedfdp.algorithms import LocalOnly
 
-    class _LocalSubclass(DPLocalOnly):  # DPLocalOnly declares True for its own hook, not for this one
+    class _LocalSubclass(LocalOnly):  # private LocalOnly declares True for its own hook, not for this one
         def evaluation_groups(self, global_params, num_clients):  # noqa: D102
             return super().evaluation_groups(global_params, num_clients)
 
-    for cls in (_PersonalKept, _OffsetsFromRawData, _LocalSubclass):
+    for cls in (_PersonalKept, _OffsetsFromRawData):
         assert cls.evaluated_models_covered is True and cls.class_covers_evaluated_models() is False, cls
+    # LocalOnly declares per run (with privacy: True), for its own hook only
+    assert private(LocalOnly, **DP).covers_evaluated_models() is True
+    local = private(_LocalSubclass, **DP)
+    assert local.evaluated_models_covered is True and _LocalSubclass.class_covers_evaluated_models() is False
+    assert local.covers_evaluated_models() is False
     assert _DeclaredPersonal.class_covers_evaluated_models() is True
-    fed, trainer = run_federation(_PersonalKept(**DP), [RDPAccounting()], rounds=1)
+    fed, trainer = run_federation(private(_PersonalKept, **DP), [RDPAccounting()], rounds=1)
     assert privacy_claims(trainer, fed) == {"dp_valid": True, "evaluated_models_private": False}
 
 
@@ -218,14 +233,20 @@ def test_every_algorithm_that_overrides_an_evaluation_hook_declares_what_it_cove
     import fedfdp.algorithms as algorithms
 
     algorithms.load_all()
-    expected_uncovered = {"LocalOnly", "Ditto", "DPDitto"}  # non-DP local models; personal models per flag
+    # every shipped class declares on the class (a subclass overriding a hook loses it); LocalOnly and Ditto
+    # then narrow it per run in covers_evaluated_models (private runs only; Ditto's personal models per flag)
     for name in algorithms.REGISTRY:
         cls = getattr(algorithms, name)
         if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
             continue
-        assert cls.class_covers_evaluated_models() is (name not in expected_uncovered), name
-    assert DPDitto(**DP, private_personal=True).covers_evaluated_models() is True
-    assert DPDitto(**DP, private_personal=False, personal_lr=0.05).covers_evaluated_models() is False
+        assert cls.class_covers_evaluated_models() is True, name
+    assert Ditto(personal_weight=0.1).covers_evaluated_models() is False  # non-private personal models
+    assert private(Ditto, **DP, private_personal=True).covers_evaluated_models() is True
+    assert private(Ditto, **DP, private_personal=False, personal_lr=0.05).covers_evaluated_models() is False
+    from fedfdp.algorithms import LocalOnly
+
+    assert private(LocalOnly, **DP).covers_evaluated_models() is True  # DP-SGD local models
+    assert LocalOnly(lr=0.1).covers_evaluated_models() is False
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ moves no other record's clipped contribution or loss, and the loss release's edg
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -15,37 +16,37 @@ from hypothesis import strategies as st
 from torch import nn
 
 from callbacks import FederationCallback, NoisyGlobalLossReporting, NoisyLossReporting, RDPAccounting
-from fedfdp.algorithms import (ALIDPFL, IFCA, RCDPFL, ClusteredDPFL, DPDitto, DPFedAvg, DPFedAvgAdaClip,
-                               DPFedAvgFairAgg, DPFedAvgFineTune, DPFedAvgPriorCorrection, DPFedDyn, DPFedProx,
-                               DPFinP, DPLocalOnly,
-                               DPQFFL, DPScaffold, FedAvg,
-                               FedFDP, FedFDPFairAgg)
+from fedfdp.algorithms import (ALIDPFL, IFCA, QFFL, RCDPFL, ClusteredDPFL, Ditto, DPFedAvgAdaClip, DPFedAvgFairAgg,
+                               DPFedAvgFineTune, DPFedAvgPriorCorrection, FedAvg, FedDyn, FedFDP, FedFDPFairAgg,
+                               FedProx, FinP, LocalOnly, Scaffold)
 from fedfdp.errors import ConfigError
 from fedfdp.privacy.per_sample import GhostEngine, VmapEngine, per_sample_cross_entropy
 from fedfdp.privacy.release import clipped_loss_sum, noisy_loss_release
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.seeding import torch_generator
-from tests.helpers import TinyConvNet, run_federation
+from tests.helpers import TinyConvNet, private, run_federation
 
 DP = dict(lr=0.5, sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
 
-#: every DP algorithm of the FedFDP family (the clustered family is checked below)
-DP_ALGORITHMS = [DPFedAvg, FedFDP, DPFedProx, DPScaffold, DPFedDyn, DPQFFL, ALIDPFL, DPDitto, DPFinP,
-                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip, DPLocalOnly, DPFedAvgPriorCorrection,
+#: every DP algorithm of the FedFDP family, each run with privacy=SampleLevelDP (the clustered family is
+#: checked below)
+DP_ALGORITHMS = [FedAvg, FedFDP, FedProx, Scaffold, FedDyn, QFFL, ALIDPFL, Ditto, FinP,
+                 FedFDPFairAgg, DPFedAvgFairAgg, DPFedAvgAdaClip, LocalOnly, DPFedAvgPriorCorrection,
                  DPFedAvgFineTune]
 
 
 def _callbacks(algorithm) -> list:
     import callbacks
 
-    return [getattr(callbacks, path.removeprefix("callbacks."))() for path in type(algorithm).required_callbacks]
+    return [getattr(callbacks, path.removeprefix("callbacks."))() for path in algorithm.required_callbacks]
 
 
 def test_the_table_lists_every_dp_algorithm():
     import fedfdp.algorithms as algorithms
 
     shipped = {getattr(algorithms, n) for n in algorithms.__all__}
-    dp_family = {c for c in shipped if isinstance(c, type) and issubclass(c, DPFedAvg)}
+    dp_family = {c for c in shipped if isinstance(c, type) and issubclass(c, FedAvg)
+                 and "privacy" in inspect.signature(c.__init__).parameters}
     assert dp_family == set(DP_ALGORITHMS), "add new DP algorithms to DP_ALGORITHMS"
 
 
@@ -62,7 +63,7 @@ class _Releases(FederationCallback):
 @pytest.mark.parametrize("cls", DP_ALGORITHMS, ids=lambda c: c.__name__)
 def test_every_release_made_is_declared_and_checked(cls):
     """Each event an algorithm and its callbacks charge has the σ of a declared (checked) release."""
-    algorithm = cls(**DP)
+    algorithm = private(cls, **DP)
     recorder = _Releases()
     fed, _ = run_federation(algorithm, [*_callbacks(algorithm), recorder], rounds=2)
     declared = list(algorithm.dp_releases())
@@ -74,8 +75,12 @@ def test_every_release_made_is_declared_and_checked(cls):
         owner_name, leaf = release.noise_field.rsplit(".", 1)
         if not leaf.endswith("noise_multiplier"):
             continue
-        owner = algorithm if owner_name == "algorithm" else next(
-            o for o in owners if owner_name in {c.__name__ for c in type(o).__mro__})
+        if owner_name.split(".")[0] == "algorithm":  # algorithm, algorithm.privacy, ...
+            owner = algorithm
+            for part in owner_name.split(".")[1:]:
+                owner = getattr(owner, part)
+        else:
+            owner = next(o for o in owners if owner_name in {c.__name__ for c in type(o).__mro__})
         assert release.noise_multiplier == getattr(owner, leaf), (release.name, release.noise_field)
     sigmas = {r.noise_multiplier for r in declared}
     for kind, event in recorder.events:
@@ -84,26 +89,26 @@ def test_every_release_made_is_declared_and_checked(cls):
 
 @pytest.mark.parametrize("cls", DP_ALGORITHMS, ids=lambda c: c.__name__)
 def test_zero_noise_on_the_model_update_is_refused_at_start(cls):
-    algorithm = cls(**{**DP, "noise_multiplier": 0.0})
-    with pytest.raises(ConfigError, match=r"algorithm\.noise_multiplier=0\.0: the model update would be released "
+    algorithm = private(cls, **{**DP, "noise_multiplier": 0.0})
+    with pytest.raises(ConfigError, match=r"algorithm\.privacy\.noise_multiplier=0\.0: the model update would be released "
                                           r"without noise"):
         run_federation(algorithm, [*_callbacks(algorithm)], rounds=1)
 
 
 def test_fedfdp_with_sigma_zero_and_a_target_is_refused_even_with_the_noisy_loss_release():
     """The issue's case: the loss release kept the plan non-empty, so σ = 0 ran with ε = inf."""
-    with pytest.raises(ConfigError, match="algorithm.noise_multiplier"):
-        run_federation(FedFDP(**{**DP, "noise_multiplier": 0.0}),
+    with pytest.raises(ConfigError, match=r"algorithm\.privacy\.noise_multiplier"):
+        run_federation(private(FedFDP, **{**DP, "noise_multiplier": 0.0}),
                        [NoisyLossReporting(), RDPAccounting(target_epsilon=3.52)], rounds=None)
 
 
 @pytest.mark.parametrize(("make", "field"), [
-    (lambda: DPFedAvg(**{**DP, "max_grad_norm": math.inf}), "algorithm.max_grad_norm must be finite"),
+    (lambda: private(FedAvg, **{**DP, "max_grad_norm": math.inf}), r"algorithm\.privacy\.max_grad_norm must be finite"),
     (lambda: NoisyLossReporting(noise_multiplier=0.0), "NoisyLossReporting.noise_multiplier"),
     (lambda: NoisyLossReporting(loss_bound=math.inf), "NoisyLossReporting.loss_bound"),
     (lambda: NoisyGlobalLossReporting(noise_multiplier=0.0), "NoisyLossReporting.noise_multiplier"),
-    (lambda: DPFinP(**DP, curvature_noise_multiplier=0.0), "algorithm.curvature_noise_multiplier"),
-    (lambda: DPFinP(**DP, curvature_bound=math.inf), "algorithm.curvature_bound"),
+    (lambda: private(FinP, **DP, curvature_noise_multiplier=0.0), "algorithm.curvature_noise_multiplier"),
+    (lambda: private(FinP, **DP, curvature_bound=math.inf), "algorithm.curvature_bound"),
     (lambda: RCDPFL(num_clusters=2, noise_multiplier=0.0), "algorithm.noise_multiplier must be > 0"),
     (lambda: IFCA(num_clusters=2, max_grad_norm=math.inf), "algorithm.max_grad_norm must be finite"),
 ], ids=["dpfedavg-C-inf", "loss-sigma-0", "loss-bound-inf", "global-loss-sigma-0", "finp-curvature-sigma-0",
@@ -115,9 +120,9 @@ def test_releases_refused_when_configured(make, field):
 
 def test_fedfdp_paper_raw_clipping_is_refused_unless_allowed():
     with pytest.raises(ConfigError, match="paper_raw, whose negative factors are unbounded"):
-        run_federation(FedFDP(**DP, fair_clip_mode="paper_raw"), [NoisyLossReporting(), RDPAccounting()], rounds=1)
+        run_federation(private(FedFDP, **DP, fair_clip_mode="paper_raw"), [NoisyLossReporting(), RDPAccounting()], rounds=1)
     acct = RDPAccounting(allow_non_private=True)
-    run_federation(FedFDP(**DP, fair_clip_mode="paper_raw"), [NoisyLossReporting(), acct], rounds=1)
+    run_federation(private(FedFDP, **DP, fair_clip_mode="paper_raw"), [NoisyLossReporting(), acct], rounds=1)
     assert acct.epsilon() == math.inf
 
 
@@ -146,7 +151,7 @@ class _BNNet(nn.Module):
                          ids=["default", "no-running-stats", "no-affine"])
 def test_batchnorm_is_refused_in_a_private_run(bn_kwargs):
     with pytest.raises(ConfigError, match=r"mix the samples of a batch \(norm: BatchNorm\).*replace_batchnorm"):
-        run_federation(DPFedAvg(**DP), [RDPAccounting()], rounds=1, net=_BNNet(**bn_kwargs))
+        run_federation(private(FedAvg, **DP), [RDPAccounting()], rounds=1, net=_BNNet(**bn_kwargs))
 
 
 def test_batchnorm_is_replaced_by_groupnorm_when_the_user_opts_in():
@@ -156,7 +161,7 @@ def test_batchnorm_is_replaced_by_groupnorm_when_the_user_opts_in():
 
     client = ClientModule(_BNNet(), replace_batchnorm=True)
     assert sample_mixing_layers(client.net) == [] and isinstance(client.net.norm, nn.GroupNorm)
-    fed = Federation(client, DPFedAvg(**DP), num_rounds=1)
+    fed = Federation(client, private(FedAvg, **DP), num_rounds=1)
     Trainer(accelerator="cpu", max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=[RDPAccounting()]).fit(fed, datamodule=tiny_data())
 

@@ -21,12 +21,12 @@ from lightning.pytorch import Trainer
 
 from callbacks import NoisyLossReporting, RDPAccounting
 from fedfdp import Federation
-from fedfdp.algorithms import DPFedAvg, FedFDP
+from fedfdp.algorithms import FedAvg, FedFDP
 from fedfdp.errors import DataError, DivergenceError, PrivacyError
 from fedfdp.privacy.accounting import DPEvent, PrivacyLedger, epsilon_of, uncovered_steps
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
 from tests.conftest import REPO
-from tests.helpers import tiny_client, tiny_data
+from tests.helpers import private, tiny_client, tiny_data
 from tests.cli.test_cli import TINY
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -92,10 +92,10 @@ def test_uncovered_steps_counts_what_a_history_lacks():
 
 def test_resuming_with_a_ledger_file_that_lacks_checkpointed_charges_is_refused(tmp_path):
     ledger, ckpt = tmp_path / "privacy_ledger.jsonl", tmp_path / "round3.ckpt"
-    _fit(FedFDP(**DP), ledger, rounds=3, save=ckpt)
+    _fit(private(FedFDP, **DP), ledger, rounds=3, save=ckpt)
     ledger.write_text("\n".join(ledger.read_text().splitlines()[: 3 * 2]) + "\n")  # round 1 only: truncated
     with pytest.raises(PrivacyError, match="lacks .* mechanism steps of client 0 that the checkpoint recorded"):
-        _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)
+        _fit(private(FedFDP, **DP), ledger, rounds=6, ckpt_path=ckpt)
 
 
 # ---- in-process runs ---------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _epsilon_of_rounds(rounds: int) -> float:
 def test_a_round_aborted_after_the_releases_is_charged(tmp_path):
     ledger = tmp_path / "privacy_ledger.jsonl"
     with pytest.raises(DivergenceError) as err:
-        _fit(DPFedAvg(**{**DP, "lr": 1e38}), ledger, rounds=5)
+        _fit(private(FedAvg, **{**DP, "lr": 1e38}), ledger, rounds=5)
     aborted = int(str(err.value).split("round ")[1].split(":")[0]) - 1  # "round 2: client ..." (1-based)
     entries = LedgerFile(ledger).read()
     assert {(e.round, e.client) for e in entries} == {(r, c) for r in range(aborted + 1) for c in range(3)}
@@ -127,18 +127,18 @@ def test_a_round_aborted_after_the_releases_is_charged(tmp_path):
 
 def test_resuming_from_an_older_checkpoint_recharges_the_replayed_rounds(tmp_path):
     ledger, ckpt = tmp_path / "privacy_ledger.jsonl", tmp_path / "round3.ckpt"
-    _fit(FedFDP(**DP), ledger, rounds=3, save=ckpt)
-    _, acct = _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6
+    _fit(private(FedFDP, **DP), ledger, rounds=3, save=ckpt)
+    _, acct = _fit(private(FedFDP, **DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6
     assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(6), rel=1e-9)
-    _, acct = _fit(FedFDP(**DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6 again: released twice
+    _, acct = _fit(private(FedFDP, **DP), ledger, rounds=6, ckpt_path=ckpt)  # rounds 4-6 again: released twice
     assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(9), rel=1e-9)
     assert len(LedgerFile(ledger).read()) == 9 * 3 * 2
 
 
 def test_a_restart_without_a_checkpoint_continues_the_ledger(tmp_path):
     ledger = tmp_path / "privacy_ledger.jsonl"
-    _fit(FedFDP(**DP), ledger, rounds=2)
-    _, acct = _fit(FedFDP(**DP), ledger, rounds=2)  # no checkpoint: starts over at round 0
+    _fit(private(FedFDP, **DP), ledger, rounds=2)
+    _, acct = _fit(private(FedFDP, **DP), ledger, rounds=2)  # no checkpoint: starts over at round 0
     assert acct.epsilon() == pytest.approx(_epsilon_of_rounds(4), rel=1e-9)
 
 
@@ -146,14 +146,14 @@ def test_the_budget_counts_the_ledger_so_a_replaying_run_stops_earlier(tmp_path)
     ledger = tmp_path / "privacy_ledger.jsonl"
     target = _epsilon_of_rounds(5) + 1e-6  # exactly 5 rounds fit
     acct = RDPAccounting(target_epsilon=target, ledger_path=str(ledger))
-    fed = Federation(tiny_client(), FedFDP(**DP), num_rounds=None, eval_every=100)
+    fed = Federation(tiny_client(), private(FedFDP, **DP), num_rounds=None, eval_every=100)
     Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=-1, callbacks=[NoisyLossReporting(), acct]).fit(
         fed, datamodule=tiny_data())
     assert fed.total_rounds == 5 and acct.epsilon() <= target
     ledger.write_text("\n".join(ledger.read_text().splitlines()[: 2 * 3 * 2]) + "\n")  # keep rounds 1-2 only
     acct = RDPAccounting(target_epsilon=target, ledger_path=str(ledger))
-    fed = Federation(tiny_client(), FedFDP(**DP), num_rounds=None, eval_every=100)
+    fed = Federation(tiny_client(), private(FedFDP, **DP), num_rounds=None, eval_every=100)
     Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=-1, callbacks=[NoisyLossReporting(), acct]).fit(
         fed, datamodule=tiny_data())

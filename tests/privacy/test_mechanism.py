@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from callbacks import NoisyLossReporting, RDPAccounting
-from fedfdp.algorithms import DPFedAvg, DPFedAvgAdaClip, DPFedAvgPriorCorrection, FedAvg, FedFDP
+from fedfdp.algorithms import DPFedAvgAdaClip, DPFedAvgPriorCorrection, FedAvg, FedFDP
 from fedfdp.errors import PrivacyError
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.mechanism import MechanismCall, joint_calls, tracing, unmatched
 from fedfdp.privacy.release import gaussian_sum_release
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.types import MODEL_RELEASE, LocalBatch, StackedStepSpec
-from tests.helpers import RecordingAccountant as _Recorder, run_federation
+from tests.helpers import RecordingAccountant as _Recorder, private, run_federation
 
 DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
 
@@ -33,7 +33,7 @@ DP = {"lr": 0.5, "sample_rate": 0.2, "max_grad_norm": 1.0, "noise_multiplier": 1
 
 
 # ---- subclasses that bypass the mechanism, one per hook -----------------------------------------------
-class _PlainStep(DPFedAvg):
+class _PlainStep(FedAvg):
     """The issue's example: a plain SGD step, the parent's declarations and charges kept."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -41,7 +41,7 @@ class _PlainStep(DPFedAvg):
         return self.client_update(client, data, [])
 
 
-class _ExtraStepAfter(DPFedAvg):
+class _ExtraStepAfter(FedAvg):
     """The private step, then an unnoised step on the same model before the upload is read."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -51,7 +51,7 @@ class _ExtraStepAfter(DPFedAvg):
         return self.client_update(client, data, [out])
 
 
-class _EditedUpload(DPFedAvg):
+class _EditedUpload(FedAvg):
     """The private step, then a data-dependent term added to the uploaded vector."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -60,7 +60,7 @@ class _EditedUpload(DPFedAvg):
         return update
 
 
-class _StackedEdit(DPFedAvg):
+class _StackedEdit(FedAvg):
     """A stackable step whose upload half edits the model after the mechanism."""
 
     def stackable_step(self, context):  # noqa: D102
@@ -74,7 +74,7 @@ class _StackedEdit(DPFedAvg):
         return StackedStepSpec(batch=spec.batch, update=update, sample_rate=spec.sample_rate)
 
 
-class _PlainStepBefore(DPFedAvg):
+class _PlainStepBefore(FedAvg):
     """A plain full-batch SGD step, then DP-FedAvg's private step (the receipts once saw only that a
     private step happened)."""
 
@@ -83,7 +83,7 @@ class _PlainStepBefore(DPFedAvg):
         return super().local_update(client, data, context, generator)
 
 
-class _EditedBefore(DPFedAvg):
+class _EditedBefore(FedAvg):
     """Not listed: a data-dependent term loaded into the model before the private step."""
 
     def local_update(self, client, data, context, generator):  # noqa: D102
@@ -91,14 +91,14 @@ class _EditedBefore(DPFedAvg):
         return super().local_update(client, data, context, generator)
 
 
-class _EveryRecord(DPFedAvg):
+class _EveryRecord(FedAvg):
     """Trains on every record at every step but keeps the Poisson rate of its batches (q = 0.2)."""
 
     def private_batch(self, data, rule, generator):  # noqa: D102
         return dataclasses.replace(super().private_batch(data, rule, generator), x=data.x, y=data.y)
 
 
-class _RepeatedRecords(DPFedAvg):
+class _RepeatedRecords(FedAvg):
     """Not listed: a Poisson sample drawn from the client's records repeated 5 times (each record 5 chances)."""
 
     def private_batch(self, data, rule, generator):  # noqa: D102
@@ -108,7 +108,7 @@ class _RepeatedRecords(DPFedAvg):
         return super().private_batch(repeated, rule, generator)
 
 
-class _TwoSamples(DPFedAvg):
+class _TwoSamples(FedAvg):
     """Not listed: two honest Poisson samples joined into one batch (a rate of about 2q)."""
 
     def private_batch(self, data, rule, generator):  # noqa: D102
@@ -117,18 +117,20 @@ class _TwoSamples(DPFedAvg):
         return dataclasses.replace(first, x=torch.cat([first.x, second.x]), y=torch.cat([first.y, second.y]))
 
 
-class _Undercharged(DPFedAvg):
+class _Undercharged(FedAvg):
     """Charges σ 10 times larger than its steps use (so ε reads 100 times smaller)."""
 
     def planned_dp_events(self, client_id, dataset_size):  # noqa: D102
-        return [(MODEL_RELEASE, DPEvent(noise_multiplier=10 * self.noise_multiplier, sample_rate=self.sample_rate))]
+        return [(MODEL_RELEASE, DPEvent(noise_multiplier=10 * self.privacy.noise_multiplier,
+                                        sample_rate=self.privacy.sample_rate))]
 
 
-class _WrongRate(DPFedAvg):
+class _WrongRate(FedAvg):
     """Charges its events at a tenth of the Poisson rate its batches are drawn at."""
 
     def planned_dp_events(self, client_id, dataset_size):  # noqa: D102
-        return [(MODEL_RELEASE, DPEvent(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate / 10))]
+        return [(MODEL_RELEASE, DPEvent(noise_multiplier=self.privacy.noise_multiplier,
+                                        sample_rate=self.privacy.sample_rate / 10))]
 
 
 class _DeclaredFedAvg(FedAvg):
@@ -177,37 +179,37 @@ class _RawLoss(NoisyLossReporting):
 
 
 CASES = {
-    "local_update: plain step": (lambda: _PlainStep(**DP), [], "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that "
+    "local_update: plain step": (lambda: private(_PlainStep, **DP), [], "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that "
                                                                "the private mechanism did not make"),
-    "local_update: step after the mechanism": (lambda: _ExtraStepAfter(**DP), [],
+    "local_update: step after the mechanism": (lambda: private(_ExtraStepAfter, **DP), [],
                                                "uploads a model update that is not the model state after its last "
                                                "private step"),
-    "local_update: upload edited": (lambda: _EditedUpload(**DP), [], "not the model state after its last private"),
-    "stackable_step: upload edited": (lambda: _StackedEdit(**DP), [], "not the model state after its last private"),
-    "local_update: plain step before the mechanism": (lambda: _PlainStepBefore(**DP), [],
+    "local_update: upload edited": (lambda: private(_EditedUpload, **DP), [], "not the model state after its last private"),
+    "stackable_step: upload edited": (lambda: private(_StackedEdit, **DP), [], "not the model state after its last private"),
+    "local_update: plain step before the mechanism": (lambda: private(_PlainStepBefore, **DP), [],
                                                       "not the model state after its last private step"),
-    "local_update: model edited before the mechanism": (lambda: _EditedBefore(**DP), [],
+    "local_update: model edited before the mechanism": (lambda: private(_EditedBefore, **DP), [],
                                                         "not the model state after its last private step"),
-    "private_batch: every record, q declared": (lambda: _EveryRecord(**DP), [],
+    "private_batch: every record, q declared": (lambda: private(_EveryRecord, **DP), [],
                                                 "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private "
                                                 "mechanism did not make"),
-    "private_batch: records repeated": (lambda: _RepeatedRecords(**DP), [],
+    "private_batch: records repeated": (lambda: private(_RepeatedRecords, **DP), [],
                                         "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private mechanism "
                                         "did not make"),
-    "private_batch: two samples joined": (lambda: _TwoSamples(**DP), [],
+    "private_batch: two samples joined": (lambda: private(_TwoSamples, **DP), [],
                                           "charges 1 DP event(s) 'model' at sigma=1, q=0.2 that the private mechanism "
                                           "did not make"),
-    "planned_dp_events: sigma undercharged": (lambda: _Undercharged(**DP), [],
+    "planned_dp_events: sigma undercharged": (lambda: private(_Undercharged, **DP), [],
                                               "charges 1 DP event(s) 'model' at sigma=10, q=0.2"),
-    "planned_dp_events: wrong q": (lambda: _WrongRate(**DP), [], "charges 1 DP event(s) 'model' at sigma=1, q=0.02"),
+    "planned_dp_events: wrong q": (lambda: private(_WrongRate, **DP), [], "charges 1 DP event(s) 'model' at sigma=1, q=0.02"),
     "upload_privacy: plain model declared private": (_DeclaredFedAvg, [], "that the private mechanism did not make"),
-    "fit_start_release: exact counts": (lambda: _ExactHistogram(prior_noise_multiplier=3.0, **DP), [],
+    "fit_start_release: exact counts": (lambda: private(_ExactHistogram, prior_noise_multiplier=3.0, **DP), [],
                                         "charges 1 DP event(s) 'label_histogram' at sigma=3, q=1 that the private "
                                         "mechanism did not make"),
-    "fit_start_events: release not charged": (lambda: _FreeHistogram(prior_noise_multiplier=3.0, **DP), [],
+    "fit_start_events: release not charged": (lambda: private(_FreeHistogram, prior_noise_multiplier=3.0, **DP), [],
                                               "made 1 private release(s) 'label_histogram' at sigma=3, q=1 that it "
                                               "does not charge"),
-    "on_client_update: exact loss": (lambda: FedFDP(fairness_weight=0.1, **DP), [_RawLoss(loss_bound=2.5)],
+    "on_client_update: exact loss": (lambda: private(FedFDP, fairness_weight=0.1, **DP), [_RawLoss(loss_bound=2.5)],
                                      "uploads a reported loss that the loss release did not return"),
 }
 
@@ -225,15 +227,16 @@ def test_an_upload_the_mechanism_did_not_make_never_leaves(case):
 
 def test_allow_non_private_runs_a_bypass_with_infinite_epsilon():
     accountant = RDPAccounting(allow_non_private=True)
-    run_federation(_PlainStep(**DP), [accountant])
+    run_federation(private(_PlainStep, **DP), [accountant])
     assert math.isinf(accountant.epsilon()) and not accountant.guarantee_holds
 
 
 @pytest.mark.parametrize("make", [
-    lambda: DPFedAvg(**DP), lambda: DPFedAvg(local_steps=3, **DP), lambda: FedFDP(fairness_weight=0.5, **DP),
-    lambda: DPFedAvgAdaClip(count_noise_std=1.0, **{**DP, "noise_multiplier": 1.0}),
-    lambda: DPFedAvgAdaClip(count_noise_std=1.0, count_accounting="separate", **DP),
-    lambda: DPFedAvgPriorCorrection(prior_noise_multiplier=3.0, **DP)],
+    lambda: private(FedAvg, **DP), lambda: private(FedAvg, local_steps=3, **DP),
+    lambda: private(FedFDP, fairness_weight=0.5, **DP),
+    lambda: private(DPFedAvgAdaClip, count_noise_std=1.0, **{**DP, "noise_multiplier": 1.0}),
+    lambda: private(DPFedAvgAdaClip, count_noise_std=1.0, count_accounting="separate", **DP),
+    lambda: private(DPFedAvgPriorCorrection, prior_noise_multiplier=3.0, **DP)],
     ids=["dpfedavg", "three-steps", "fedfdp", "adaclip-split", "adaclip-separate", "prior"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-client"])
 def test_the_shipped_algorithms_pass_their_own_receipts(make, stacked):

@@ -19,12 +19,12 @@ from torch import nn
 
 from callbacks import RDPAccounting
 from fedfdp import ClientModule
-from fedfdp.algorithms import DPFedAvg, FedAvg
+from fedfdp.algorithms import FedAvg
 from fedfdp.errors import ConfigError
 from fedfdp.privacy.clipping import flat_clip_factors
 from fedfdp.privacy.per_sample import make_engine
 from fedfdp.privacy.probe import probe_model
-from tests.helpers import TinyConvNet, run_federation, tiny_data
+from tests.helpers import TinyConvNet, private, run_federation, tiny_data
 
 X = torch.zeros(1, 1, 8, 8)
 Y = torch.zeros(1, dtype=torch.long)
@@ -161,7 +161,7 @@ def test_a_private_run_with_a_mixing_loss_is_refused_before_any_release(tmp_path
     from fedfdp.models import MLP
 
     ledger = tmp_path / "ledger.jsonl"
-    fed = Federation(CentredClient(MLP(in_features=64, num_classes=4, hidden=16)), DPFedAvg(**DP), num_rounds=2)
+    fed = Federation(CentredClient(MLP(in_features=64, num_classes=4, hidden=16)), private(FedAvg, **DP), num_rounds=2)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, max_epochs=-1,
                       num_sanity_val_steps=0, limit_val_batches=0,
@@ -176,13 +176,13 @@ def test_allow_non_private_runs_it_with_epsilon_infinite():
 
     net = MLP(in_features=64, num_classes=4, hidden=16)
     accountant = RDPAccounting(target_epsilon=5.0, allow_non_private=True)
-    fed, _ = run_federation(DPFedAvg(**DP), [accountant], rounds=1, net=net)
+    fed, _ = run_federation(private(FedAvg, **DP), [accountant], rounds=1, net=net)
     assert accountant.guarantee_holds  # the plain client keeps the guarantee
     accountant = RDPAccounting(target_epsilon=5.0, allow_non_private=True)
     from fedfdp import Federation
     from lightning.pytorch import Trainer
 
-    fed = Federation(CentredClient(MLP(in_features=64, num_classes=4, hidden=16)), DPFedAvg(**DP), num_rounds=1)
+    fed = Federation(CentredClient(MLP(in_features=64, num_classes=4, hidden=16)), private(FedAvg, **DP), num_rounds=1)
     Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, max_epochs=-1, num_sanity_val_steps=0, limit_val_batches=0,
             callbacks=[accountant]).fit(fed, datamodule=tiny_data())

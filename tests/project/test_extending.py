@@ -1,7 +1,7 @@
 """The extension guide's examples (docs/extending.md) run in simulation and under Flower, with the same result.
 
 One tiny DP-FedAvg run uses all three examples at once: the algorithm
-(``examples.extending.myalgos.DecayingDPFedAvg``), the callback (``...mycallbacks.UploadNormLogger``)
+(``examples.extending.myalgos.DecayingFedAvg``), the callback (``...mycallbacks.UploadNormLogger``)
 and the model and client loss (``...mymodels.SmallCNN``, ``LabelSmoothingClient``). It runs in
 simulation (``python -m fedfdp.fit``) and through the Flower server strategy and ClientApp over an
 in-process grid; both give the same global model and the same logged upload norms. A run without
@@ -24,7 +24,7 @@ from tests.flower_harness import CONFIGS, InProcessGrid, global_model, grid_node
 
 EXAMPLES = "examples.extending"
 EXTENDED = (f"--model.num_rounds 3 --model.eval_every 10 --wandb disabled "
-            f"--model.algorithm {EXAMPLES}.myalgos.DecayingDPFedAvg --model.algorithm.init_args.decay 2.0 "
+            f"--model.algorithm {EXAMPLES}.myalgos.DecayingFedAvg --model.algorithm.init_args.decay 2.0 "
             f"--model.client {EXAMPLES}.mymodels.LabelSmoothingClient "
             f"--model.client.net {EXAMPLES}.mymodels.SmallCNN --model.client.net.num_classes 4 "
             f"--model.client.net.image_size 8 "
@@ -56,7 +56,7 @@ def test_examples_under_flower_equal_the_simulation(simulated, tmp_path):
 @pytest.mark.slow
 def test_the_callback_logs_every_round_and_the_decay_changes_the_model(simulated, tmp_path):
     summary = json.loads((simulated / "summary.json").read_text())
-    assert summary["algorithm"] == "DecayingDPFedAvg" and summary["rounds_run"] == 3
+    assert summary["algorithm"] == "DecayingFedAvg" and summary["rounds_run"] == 3
     saved = (simulated / "config.yaml").read_text()
     assert "SmallCNN" in saved and "LabelSmoothingClient" in saved and "UploadNormLogger" in saved
     norms = _norms(simulated)
