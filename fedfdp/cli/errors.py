@@ -309,6 +309,9 @@ def explain_parse_error(message: str, parser: Any | None = None) -> str:
     if flat.startswith("the following arguments are required"):
         return f"{flat} (give a config file: --config configs/fmnist.yaml)"
     key = re.match(r'Parser key "([^"]+)":', text)
+    retired = re.search(r"(fedfdp\.algorithms\.\w+ was retired: .*?\(and lr, which defaulted to 1\.0\))", flat)
+    if key and retired:  # a twin class that privacy= replaced (fedfdp.algorithms.retired)
+        return f"{key.group(1)}: {retired.group(1)}"
     if key:
         unusable = _CALLABLE_PROBLEM.search(text)
         if unusable and "Problem with given class_path" not in text[:unusable.start()]:
