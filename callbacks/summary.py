@@ -60,7 +60,7 @@ def left_out_clients(federation: Federation) -> tuple[dict[int, list[int]], dict
     return participation.left_out(), participation.left_out("refused")
 
 
-def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
+def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, Any]:
     """``dp_valid`` and ``evaluated_models_private`` of a run, fail-closed.
 
     ``dp_valid``: the run has an accountant that checked, at start, that every release is noised
@@ -68,12 +68,24 @@ def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, bool]:
     (:mod:`fedfdp.privacy.uploads`), and none ran without a guarantee (``allow_non_private``).
     ``evaluated_models_private``: moreover every model the run evaluates and reports is covered
     by that ε (``Algorithm.covers_evaluated_models``, fail-closed; false e.g. for DP-Ditto's
-    personal models trained by plain SGD on the client).
+    personal models trained by plain SGD on the client). With them, the unit ε is for
+    (:func:`privacy_unit`).
     """
     accountant = federation.accountant
     dp_valid = accountant is not None and accountant.guarantee_holds
     covered = federation.algorithm.covers_evaluated_models()
-    return {"dp_valid": dp_valid, "evaluated_models_private": dp_valid and covered}
+    return {"dp_valid": dp_valid, "evaluated_models_private": dp_valid and covered, **privacy_unit(federation)}
+
+
+def privacy_unit(federation: Federation) -> dict[str, str | None]:
+    """``epsilon_unit`` (what one ε hides: ``record``; None without an accountant) and ``privacy_mechanism``
+    (the algorithm's mechanism in words). Every release fedfdp ships is record-level (each client's
+    DP-SGD steps, loss, count and histogram releases, charged to that client's ledger), so ε is for one
+    record of any one client: the largest over the clients' ledgers."""
+    mechanism = getattr(federation.algorithm, "privacy", None)
+    unit = getattr(mechanism, "unit", None) or ("record" if federation.accountant is not None else None)
+    return {"epsilon_unit": unit,
+            "privacy_mechanism": mechanism.describe() if mechanism is not None else None}
 
 
 class RunSummary(FederationCallback):

@@ -229,6 +229,11 @@ def _write_report(run_dir: Path) -> Path:
     if "epsilon" in summary:
         lines.append(f"| ε spent (δ = {summary['delta']}) / target | {summary['epsilon']:.4f} / "
                      f"{_fmt(summary.get('target_epsilon'))} ({summary['accounting_mode']}) |")
+        if summary.get("epsilon_unit") == "record":
+            lines.append(f"| ε unit | record: one record of any of the {summary.get('num_clients')} clients "
+                         f"(the largest ε over their ledgers) |")
+        if summary.get("privacy_mechanism"):
+            lines.append(f"| privacy mechanism | {summary['privacy_mechanism']} |")
     if summary.get("releases_repeated"):  # a session was cut mid-round: its releases charged again on resume
         lines.append(f"| releases charged twice (a session cut mid-round, made again on resume) | "
                      f"{summary['releases_repeated']} |")

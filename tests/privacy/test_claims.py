@@ -255,8 +255,17 @@ def test_summary_json_and_report_say_which_models_epsilon_covers(tmp_path, capsy
     assert main(["--config", TINY, "--run_dir", str(run_dir)]) == 0, capsys.readouterr().err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dp_valid"] is True and summary["evaluated_models_private"] is True
+    assert summary["epsilon_unit"] == "record" and summary["privacy_mechanism"].startswith("record-level DP-SGD (q ")
     report = (run_dir / "report.md").read_text()
     assert "ε covers every release and every evaluated model" in report
+    assert f"| ε unit | record: one record of any of the {summary['num_clients']} clients" in report
+    plain = tmp_path / "plain"
+    assert main(["--config", TINY, "--run_dir", str(plain), "--model.algorithm", "fedfdp.algorithms.FedAvg",
+                 "--model.algorithm.init_args.privacy", "null",
+                 "--trainer.callbacks", "[]"]) == 0, capsys.readouterr().err
+    summary = json.loads((plain / "summary.json").read_text())
+    assert summary["epsilon_unit"] is None and summary["privacy_mechanism"] is None and summary["dp_valid"] is False
+    assert "ε unit" not in (plain / "report.md").read_text()
 
 
 @pytest.mark.slow
