@@ -184,7 +184,9 @@ def test_prv_falls_back_to_the_rdp_bound_where_opacus_cannot_compute_it(caplog):
 ], ids=["dpfedavg", "fedfdp", "dp-ditto-private", "dp-ditto-personal-kept", "fedavg", "fedfair"])
 def test_summary_claims(make, callbacks, dp_valid, evaluated_private):
     fed, trainer = run_federation(make(), callbacks(), rounds=1)
-    assert privacy_claims(trainer, fed) == {"dp_valid": dp_valid, "evaluated_models_private": evaluated_private}
+    claims = privacy_claims(trainer, fed)
+    assert (claims["dp_valid"], claims["evaluated_models_private"]) == (dp_valid, evaluated_private)
+    assert claims["epsilon_unit"] == ("record" if fed.accountant is not None else None)
 
 
 class _PersonalKept(FedAvg):
@@ -225,7 +227,8 @@ def test_an_overridden_evaluation_hook_without_a_declaration_is_not_covered():
     assert local.covers_evaluated_models() is False
     assert _DeclaredPersonal.class_covers_evaluated_models() is True
     fed, trainer = run_federation(private(_PersonalKept, **DP), [RDPAccounting()], rounds=1)
-    assert privacy_claims(trainer, fed) == {"dp_valid": True, "evaluated_models_private": False}
+    claims = privacy_claims(trainer, fed)
+    assert (claims["dp_valid"], claims["evaluated_models_private"], claims["epsilon_unit"]) == (True, False, "record")
 
 
 def test_every_algorithm_that_overrides_an_evaluation_hook_declares_what_it_covers():
