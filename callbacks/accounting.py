@@ -26,7 +26,8 @@ from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
 from fedfdp.privacy.probe import probe_federation_client
 from fedfdp.privacy.run_accountant import AccountingMode, RunAccountant
-from fedfdp.privacy.uploads import declared_upload_privacy
+from fedfdp.errors import ConfigError
+from fedfdp.privacy.uploads import declared_upload_privacy, describe
 
 if TYPE_CHECKING:
     from fedfdp.federation import Federation
@@ -65,6 +66,9 @@ class RDPAccounting(RunAccountant, FederationCallback):
         """Refuse releases without a guarantee and a δ that guarantees nothing; rebuild the ledgers
         from the ledger file."""
         self.check_delta(federation.datamodule.train_sizes)
+        mechanism = federation.privacy_mechanism
+        if mechanism is not None and mechanism.unit == "client":
+            self.check_client_level(federation)
         releases = list(federation.algorithm.dp_releases())
         for cb in federation.federation_callbacks():
             releases.extend(cb.dp_releases(federation))
@@ -72,16 +76,32 @@ class RDPAccounting(RunAccountant, FederationCallback):
                              type(federation.algorithm).__name__, probe_federation_client(federation, releases))
         self.open_ledger(rank_and_world()[0])
 
+    def check_client_level(self, federation: Federation) -> None:
+        """A client-level mechanism: ε is for one client of the population (δ < 1/N), the upload is
+        the model alone (the mechanism releases only the noisy sum of the cohort's clipped updates),
+        and one process charges the population's ledger."""
+        self.set_population(federation.num_clients)
+        extra = sorted(f for f in declared_upload_privacy(federation) if f != "params")
+        if extra:
+            raise ConfigError(f"model.algorithm {type(federation.algorithm).__name__}: the {describe(extra[0])} would "
+                              f"leave each client outside fedfdp.privacy.ClientLevelDP, which releases only the noisy "
+                              f"sum of the cohort's clipped model updates; remove the callback or option that adds it")
+        if rank_and_world()[1] > 1:
+            raise ConfigError("fedfdp.privacy.ClientLevelDP runs in one process (the population's ledger is charged "
+                              "once a round): set trainer.devices: 1")
+
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
         """The round count (from round 0) at which the budget is spent, given what is already charged
         (:meth:`~fedfdp.privacy.run_accountant.RunAccountant.planned_rounds`)."""
         return self.planned_rounds(federation.num_clients, federation.planned_dp_events,
-                                   int(getattr(federation, "start_round", 0)))
+                                   int(getattr(federation, "start_round", 0)), federation.planned_population_events())
 
     def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,
                        client_ids: list[int]) -> None:
-        """Refuse a round that would take any client past the budget (strict rule only)."""
-        self.check_round(context.round, client_ids, federation.planned_dp_events)
+        """Refuse a round that would take any client (or, client-level, the population) past the budget
+        (strict rule only)."""
+        self.check_round(context.round, client_ids, federation.planned_dp_events,
+                         federation.planned_population_events())
 
     def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
         """Check that every field of the upload is private, then write its events to the ledger file
@@ -96,8 +116,13 @@ class RDPAccounting(RunAccountant, FederationCallback):
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:
-        """Charge the uploads that other processes released (they wrote their own ledger files)."""
+        """Charge the uploads that other processes released (they wrote their own ledger files); charge
+        the round's release of a client-level mechanism to the population (written and fsynced before
+        the mechanism makes it)."""
         self.charge_received(updates)
+        population = federation.planned_population_events()
+        if population:
+            self.charge_population(federation.current_round, population)
 
     def on_round_end(self, trainer: Trainer, federation: Federation, context: RoundContext,
                      updates: list[ClientUpdate], metrics: dict[str, float]) -> None:

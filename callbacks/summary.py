@@ -78,14 +78,46 @@ def privacy_claims(trainer: Trainer, federation: Federation) -> dict[str, Any]:
 
 
 def privacy_unit(federation: Federation) -> dict[str, str | None]:
-    """``epsilon_unit`` (what one ε hides: ``record``; None without an accountant) and ``privacy_mechanism``
-    (the algorithm's mechanism in words). Every release fedfdp ships is record-level (each client's
-    DP-SGD steps, loss, count and histogram releases, charged to that client's ledger), so ε is for one
-    record of any one client: the largest over the clients' ledgers."""
+    """``epsilon_unit`` (what one ε hides; None without an accountant) and ``privacy_mechanism`` (the
+    algorithm's mechanism in words). ``record``: ε is for one record of any one client, the largest
+    over the clients' ledgers (DP-SGD steps, loss, count and histogram releases); ``client``: a
+    client-level mechanism runs and ε is for a whole client of the population (its ledger)."""
     mechanism = getattr(federation.algorithm, "privacy", None)
-    unit = getattr(mechanism, "unit", None) or ("record" if federation.accountant is not None else None)
-    return {"epsilon_unit": unit,
+    accountant = federation.accountant
+    return {"epsilon_unit": accountant.unit if accountant is not None else None,
             "privacy_mechanism": mechanism.describe() if mechanism is not None else None}
+
+
+def privacy_guarantees(federation: Federation) -> dict[str, dict[str, Any]] | None:
+    """``privacy``: the (ε, δ) of each unit the run protects, for whom and for which models.
+
+    ``record`` always (one record of any client); ``client`` when a client-level mechanism runs (one
+    client of the population of N, with its noise multiplier, sampling rate and charged rounds).
+    With a client-level mechanism the record ε is the better of the two valid analyses (a client's
+    change covers any change of one of its records). None without an accountant.
+    """
+    accountant = federation.accountant
+    if accountant is None:
+        return None
+    covered = federation.algorithm.covers_evaluated_models()
+    models = ("every model the run evaluates and reports" if covered
+              else "the released global models only (not the models kept and evaluated on the clients)")
+    out: dict[str, dict[str, Any]] = {"record": {
+        "epsilon": accountant.record_epsilon(), "delta": accountant.delta,
+        "population": f"the records of the {federation.num_clients} clients", "models_covered": models}}
+    mechanism = federation.privacy_mechanism
+    if accountant.unit == "client" and mechanism is not None:
+        implied = accountant.record_epsilon() == accountant.epsilon()
+        out["record"]["analysis"] = ("implied by the client-level guarantee (a client's change covers any change of "
+                                     "one of its records)" if implied else
+                                     "the record-level releases of each client (DP-SGD), the better of the two")
+        out["client"] = {
+            "epsilon": accountant.epsilon(), "delta": accountant.delta,
+            "noise_multiplier": float(getattr(mechanism, "noise_multiplier")),
+            "sampling_rate": float(getattr(mechanism, "sample_rate")(federation.num_clients)),
+            "rounds": accountant.population_rounds(), "population": federation.num_clients,
+            "models_covered": models}
+    return out
 
 
 class RunSummary(FederationCallback):
@@ -223,6 +255,7 @@ class RunSummary(FederationCallback):
             out["target_epsilon"] = accountant.target_epsilon
             out["accounting_mode"] = accountant.accounting_mode
             out["releases_repeated"] = accountant.repeated_releases  # charged twice: a session cut mid-round
+            out["privacy"] = privacy_guarantees(federation)
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

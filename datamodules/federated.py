@@ -30,6 +30,7 @@ from datamodules.shared import shared_setup
 from datamodules.partition import (
     dirichlet_partition,
     iid_partition,
+    population_partition,
     partition_fingerprint,
     train_test_split_indices,
     validation_split_indices,
@@ -59,9 +60,12 @@ class FederatedDataModule(L.LightningDataModule):
     Args:
         data_dir: Root folder of the dataset files.
         num_clients: Number of clients the data is split across (>= 1).
-        partition: ``"dirichlet"`` (label skew, PFLlib routine) or ``"iid"`` (uniform split).
+        partition: ``"dirichlet"`` (label skew, PFLlib routine), ``"iid"`` (uniform split) or
+            ``"population"`` (many small clients: log-normal sizes and Dirichlet label mixes,
+            :func:`datamodules.partition.population_partition`, for client-level DP).
         alpha: Dirichlet concentration (> 0); 0.1 is the paper's default strong skew.
-        min_size: Minimum samples per client for the Dirichlet partition (>= 2); ``None``
+        size_sigma: σ of the log-normal client sizes of ``partition="population"`` (>= 0).
+        min_size: Minimum samples per client for the Dirichlet and population partitions (>= 2); ``None``
             means the number of classes (PFLlib's rule).
         train_fraction: Fraction of each client's samples used for training, in (0, 1).
         merge_official_splits: Merge the official train and test splits before partitioning
@@ -97,9 +101,10 @@ class FederatedDataModule(L.LightningDataModule):
         *,
         data_dir: str = "data",
         num_clients: int = 10,
-        partition: Literal["dirichlet", "iid"] = "dirichlet",
+        partition: Literal["dirichlet", "iid", "population"] = "dirichlet",
         alpha: float = 0.1,
         min_size: int | None = None,
+        size_sigma: float = 1.0,
         train_fraction: float = 0.75,
         merge_official_splits: bool = True,
         partition_seed: int = 1,
@@ -111,9 +116,10 @@ class FederatedDataModule(L.LightningDataModule):
         check_fields(
             data_dir=(data_dir, isinstance(data_dir, str) and data_dir != "", "a non-empty path"),
             num_clients=(num_clients, is_int(num_clients, 1), "an integer >= 1"),
-            partition=(partition, partition in ("dirichlet", "iid"), "'dirichlet' or 'iid'"),
+            partition=(partition, partition in ("dirichlet", "iid", "population"), "'dirichlet', 'iid' or 'population'"),
             alpha=(alpha, is_real(alpha) and alpha > 0, "a finite number > 0"),
             min_size=(min_size, min_size is None or is_int(min_size, 2), "null or an integer >= 2"),
+            size_sigma=(size_sigma, is_real(size_sigma) and size_sigma >= 0, "a finite number >= 0"),
             train_fraction=(train_fraction, is_real(train_fraction) and 0 < train_fraction < 1, "in (0, 1)"),
             merge_official_splits=(
                 merge_official_splits, isinstance(merge_official_splits, bool), "true or false"
@@ -129,6 +135,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.partition = partition
         self.alpha = float(alpha)
         self.min_size = min_size
+        self.size_sigma = float(size_sigma)
         self.train_fraction = float(train_fraction)
         self.merge_official_splits = merge_official_splits
         self.partition_seed = int(partition_seed)
@@ -173,6 +180,9 @@ class FederatedDataModule(L.LightningDataModule):
         try:
             if self.partition == "dirichlet":
                 parts = dirichlet_partition(y, self.num_clients, self.alpha, min_size=self.min_size, rng=rng)
+            elif self.partition == "population":
+                parts = population_partition(y, self.num_clients, self.alpha, size_sigma=self.size_sigma,
+                                             min_size=self.min_size or 2, rng=rng)
             else:
                 parts = iid_partition(len(y), self.num_clients, rng=rng)
             self._indices = [train_test_split_indices(p, self.train_fraction, rng) for p in parts]
@@ -190,8 +200,8 @@ class FederatedDataModule(L.LightningDataModule):
             type(self).__name__,
             len(y),
             self.num_clients,
-            self.train_sizes.tolist(),
-            self.test_sizes.tolist(),
+            _sizes(self.train_sizes),
+            _sizes(self.test_sizes),
             f"; validation sizes {self.val_sizes.tolist()} (held out of the training splits)" if self._val_indices
             else "",
         )
@@ -354,6 +364,8 @@ class FederatedDataModule(L.LightningDataModule):
         """Settings that determine the partition (hashed into the fingerprint; subclasses extend it)."""
         keys = ("num_clients", "partition", "alpha", "min_size", "train_fraction", "merge_official_splits")
         config = {"dataset": type(self).__name__, **{k: getattr(self, k) for k in (*keys, "partition_seed")}}
+        if self.partition == "population":  # only there: the other partitions keep their fingerprint
+            config["size_sigma"] = self.size_sigma
         if self.val_fraction > 0:  # absent at 0, so partitions without a validation split keep their fingerprint
             config["val_fraction"] = self.val_fraction
         if self.features is not None:  # the model's input differs, so a checkpoint must not resume across it
@@ -396,3 +408,10 @@ class FederatedDataModule(L.LightningDataModule):
                 f"vs {current[:12]}; changed data.* settings (checkpoint, now): {diff or 'none, the data differs'}); "
                 "resume with the checkpoint's data settings and files"
             )
+
+
+def _sizes(sizes: np.ndarray) -> str:
+    """Client sizes for a log line: the list for up to 50 clients, else min / median / max."""
+    if len(sizes) <= 50:
+        return str(sizes.tolist())
+    return f"min {int(sizes.min())} / median {int(np.median(sizes))} / max {int(sizes.max())} (of {len(sizes)} clients)"

@@ -24,7 +24,7 @@ from fedfdp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["dirichlet_partition", "iid_partition", "partition_fingerprint", "train_test_split_indices",
+__all__ = ["dirichlet_partition", "iid_partition", "population_partition", "partition_fingerprint", "train_test_split_indices",
            "validation_split_indices"]
 
 
@@ -188,6 +188,67 @@ def iid_partition(n: int, num_clients: int, *, rng: np.random.Generator) -> list
         raise ConfigError(f"num_clients must be <= the number of samples ({n}), got {num_clients}")
     perm = rng.permutation(n).astype(np.int64, copy=False)
     return [np.sort(part) for part in np.array_split(perm, num_clients)]
+
+
+def population_partition(
+    labels: np.ndarray, num_clients: int, alpha: float, *, size_sigma: float, min_size: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """A population of many small clients: log-normal sizes and Dirichlet label skew.
+
+    Client ``k`` gets ``n_k = m + M_k`` records, ``M ~ Multinomial(n − N m, s / Σ s)`` with
+    ``s_k ~ LogNormal(0, size_sigma)`` (heavy-tailed sizes, as FEMNIST's writers: Caldas et al. 2018),
+    and a label mix ``p_k ~ Dir(alpha · 1)``: its ``n_k`` records are drawn class by class from
+    ``Multinomial(n_k, p_k)``, each class's draw capped at what is left of that class, the rest
+    filled from the classes with records left (in proportion to what is left). Every record goes
+    to exactly one client.
+
+    Args:
+        labels: ``(n,)`` integer labels.
+        num_clients: N (>= 1, N · min_size <= n).
+        alpha: Dirichlet concentration of the label mix (> 0; small: few classes per client).
+        size_sigma: σ of the log-normal size weights (>= 0; 0: equal sizes up to rounding).
+        min_size: records every client gets at least (>= 2: a train and a test record).
+        rng: Source of randomness.
+
+    Returns:
+        ``num_clients`` int64 index arrays, sorted ascending, disjoint, covering ``range(n)``.
+
+    Raises:
+        ConfigError: an argument out of range, or too few records for ``num_clients · min_size``.
+    """
+    labels = np.asarray(labels).reshape(-1)
+    n = len(labels)
+    num_clients = _check_int("num_clients", num_clients, 1)
+    min_size = _check_int("min_size", min_size, 2)
+    if not (isinstance(alpha, Real) and math.isfinite(alpha) and alpha > 0):
+        raise ConfigError(f"alpha must be a finite number > 0, got {alpha!r}")
+    if not (isinstance(size_sigma, Real) and math.isfinite(size_sigma) and size_sigma >= 0):
+        raise ConfigError(f"size_sigma must be a finite number >= 0, got {size_sigma!r}")
+    if num_clients * min_size > n:
+        raise ConfigError(f"num_clients must be <= {n // min_size} (the {n} samples at min_size={min_size} each), "
+                          f"got {num_clients}")
+    weights = rng.lognormal(0.0, float(size_sigma), num_clients)
+    sizes = min_size + rng.multinomial(n - num_clients * min_size, weights / weights.sum())
+    classes, codes = np.unique(labels, return_inverse=True)
+    pools = [rng.permutation(np.flatnonzero(codes == c)) for c in range(len(classes))]
+    left = np.array([len(p) for p in pools], dtype=np.int64)
+    taken = np.zeros(len(classes), dtype=np.int64)
+    mixes = rng.dirichlet(np.full(len(classes), float(alpha)), num_clients)
+    parts = []
+    for size, mix in zip(sizes.tolist(), mixes):
+        counts = np.minimum(rng.multinomial(size, mix), left)
+        short = size - int(counts.sum())
+        while short > 0:  # fill from the classes with records left, in proportion to what is left
+            room = left - counts
+            extra = np.minimum(rng.multinomial(short, room / room.sum()), room)
+            counts += extra
+            short -= int(extra.sum())
+        parts.append(np.sort(np.concatenate([pools[c][taken[c]:taken[c] + k] for c, k in enumerate(counts.tolist())
+                                             if k > 0]).astype(np.int64)))
+        taken += counts
+        left -= counts
+    return parts
 
 
 def train_test_split_indices(

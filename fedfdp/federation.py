@@ -44,6 +44,7 @@ from fedfdp.plan import (check_distributed, check_expected_batches, check_model_
 from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.channel import server_half
+from fedfdp.privacy.sample_level import PrivacyMechanism
 from fedfdp.seeding import numpy_generator
 from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientUpdate
@@ -174,6 +175,12 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         require(self.clients_per_round is None or self.clients_per_round <= datamodule.num_clients,
                 f"model.clients_per_round must be <= data.num_clients={datamodule.num_clients}, "
                 f"got {self.clients_per_round}")
+        mechanism = self.privacy_mechanism
+        if mechanism is not None and mechanism.releases_aggregate:
+            require(self.clients_per_round is None,
+                    f"model.clients_per_round must be null with {type(mechanism).__name__}: its guarantee rests on "
+                    f"how the cohort is drawn, so the mechanism draws it (algorithm.privacy.clients_per_round)")
+            mechanism.sample_rate(datamodule.num_clients)  # refuses an expected cohort larger than N
         check_model_fits_data(self.client.net, datamodule)
         callbacks = self.federation_callbacks()
         find_accountant(callbacks)  # a second accountant is refused before anything is charged
@@ -264,6 +271,18 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
     #: ledger charges its releases (:mod:`fedfdp.flower.node`). None in a simulation and on the server.
     node_accounting: PrivacyAccountant | None = None
 
+    @property
+    def privacy_mechanism(self) -> PrivacyMechanism | None:
+        """The algorithm's privacy mechanism (``algorithm.privacy``), or None."""
+        mechanism = getattr(self.algorithm, "privacy", None)
+        return mechanism if isinstance(mechanism, PrivacyMechanism) else None
+
+    def planned_population_events(self) -> list[tuple[str, DPEvent]]:
+        """The DP events of one round's server release charged to the whole population (client unit:
+        :meth:`fedfdp.privacy.ClientLevelDP.round_events`); none for record-level mechanisms."""
+        mechanism = self.privacy_mechanism
+        return [] if mechanism is None else mechanism.round_events(self.num_clients)
+
     def federation_callbacks(self) -> list[FederationHooks]:
         """The trainer's callbacks that have federation hooks."""
         return [cb for cb in self.trainer.callbacks if isinstance(cb, FederationHooks)]
@@ -277,7 +296,11 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         return events
 
     def sample_clients(self, round_idx: int) -> list[int]:
-        """Uniform sampling without replacement (all clients when ``clients_per_round`` is null)."""
+        """Uniform sampling without replacement (all clients when ``clients_per_round`` is null), or the
+        cohort the privacy mechanism draws (client-level DP: Poisson sampling of the population)."""
+        mechanism = self.privacy_mechanism
+        if mechanism is not None and mechanism.releases_aggregate:
+            return mechanism.cohort(self.num_clients, self.generator("cohort", round_idx))  # type: ignore[attr-defined]
         if self.clients_per_round is None or self.clients_per_round >= self.num_clients:
             return list(range(self.num_clients))
         rng = numpy_generator(self.seed, "clients", round_idx)
@@ -306,11 +329,19 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
                                       f"model or loss (diverged; lower algorithm.lr?)")
         self._call("on_before_aggregate", updates)
 
-        # the server's half reads what was released: the uploads without the simulation's diagnostics
-        # (raw losses, realised batch sizes), which reach the logs only
-        released = [dataclasses.replace(update, diagnostics={}) for update in updates]
-        with server_half("aggregate"):
-            target = self.algorithm.aggregate(global_params, released, context)
+        mechanism = self.privacy_mechanism
+        if mechanism is not None and mechanism.releases_aggregate:
+            # client-level DP: the mechanism clips and noises the round's sum (charged just before, by
+            # on_before_aggregate); the server's half sees that release alone, no upload
+            target = mechanism.release_aggregate(  # type: ignore[attr-defined]
+                global_params, updates, self.num_clients, self.generator("aggregate", round_idx))
+            released: list[ClientUpdate] = []
+        else:
+            # the server's half reads what was released: the uploads without the simulation's diagnostics
+            # (raw losses, realised batch sizes), which reach the logs only
+            released = [dataclasses.replace(update, diagnostics={}) for update in updates]
+            with server_half("aggregate"):
+                target = self.algorithm.aggregate(global_params, released, context)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         pseudo_grad = global_params - target

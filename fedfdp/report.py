@@ -111,9 +111,31 @@ def _line_plot(path: Path, title: str, ylabel: str, lines: dict[str, list[tuple[
     plt.close(fig)
 
 
-def _client_bars(path: Path, summary: dict[str, Any]) -> None:
+#: Above this many clients the per-client plot is a histogram (a bar per client would be unreadable,
+#: and drawing 3,400 labelled bars takes half a minute).
+MAX_CLIENT_BARS = 100
+
+
+def _client_histogram(path: Path, summary: dict[str, Any]) -> None:
     plt = _plt()
     acc = summary["clients"]["accuracy"]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.hist(acc, bins=20, range=(0.0, 1.0), color="#2e86c1")
+    ax.axvline(summary["final"]["accuracy"], color="k", ls="--", lw=1, label="pooled accuracy")
+    ax.set(title=f"Test accuracy of the {len(acc)} clients after round {summary['rounds_run']}",
+           xlabel="client test accuracy", ylabel="clients")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _client_bars(path: Path, summary: dict[str, Any]) -> None:
+    acc = summary["clients"]["accuracy"]
+    if len(acc) > MAX_CLIENT_BARS:
+        _client_histogram(path, summary)
+        return
+    plt = _plt()
     sizes = summary["clients"]["train_size"]
     order = sorted(range(len(acc)), key=lambda i: acc[i])
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -194,6 +216,8 @@ def _write_report(run_dir: Path) -> Path:
     plots.mkdir(exist_ok=True)
     images: list[tuple[str, str]] = []
     for key, (title, ylabel, log) in SERIES.items():
+        if key == "epsilon" and summary.get("epsilon_unit") == "client":
+            title = "Privacy spent ε (one client of the population)"
         if key in metrics:
             target = summary.get("target_epsilon") if key == "epsilon" else None
             _line_plot(plots / f"{key}.png", title, ylabel, {key: metrics[key]}, log,
@@ -232,6 +256,14 @@ def _write_report(run_dir: Path) -> Path:
         if summary.get("epsilon_unit") == "record":
             lines.append(f"| ε unit | record: one record of any of the {summary.get('num_clients')} clients "
                          f"(the largest ε over their ledgers) |")
+        elif summary.get("epsilon_unit") == "client":
+            client = (summary.get("privacy") or {}).get("client") or {}
+            record = (summary.get("privacy") or {}).get("record") or {}
+            lines.append(f"| ε unit | client: any one client of the population of {client.get('population')} "
+                         f"(Poisson rate q = {_fmt(client.get('sampling_rate'))}, z = "
+                         f"{_fmt(client.get('noise_multiplier'))}, {client.get('rounds')} rounds charged) |")
+            if record:
+                lines.append(f"| ε for one record (δ = {record.get('delta')}) | {_fmt(record.get('epsilon'))} |")
         if summary.get("privacy_mechanism"):
             lines.append(f"| privacy mechanism | {summary['privacy_mechanism']} |")
     if summary.get("releases_repeated"):  # a session was cut mid-round: its releases charged again on resume

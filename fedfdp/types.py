@@ -19,6 +19,12 @@ LOSS_RELEASE = "loss"
 """Kind of a DP event that privatises a reported loss (FedFDP Theorem 2's second mechanism)."""
 LABEL_HISTOGRAM_RELEASE = "label_histogram"
 """Kind of a DP event that privatises a client's label counts (released once, before training)."""
+CLIENT_RELEASE = "client_update"
+"""Kind of a DP event of the *client* unit: the server's noisy sum of the cohort's clipped model updates
+(:class:`fedfdp.privacy.ClientLevelDP`), charged once a round to the population's ledger."""
+POPULATION = -1
+"""The ledger id of the client-unit events: they hide any one client of the whole population, so they
+are charged once a round to the population, not to each client (:mod:`fedfdp.privacy.ledger`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,23 +6,30 @@ steps): each step is one step of the mechanism (:class:`fedfdp.privacy.SampleLev
 batch of rate q, per-sample clipping to C with :meth:`FedAvg.clip_rule`, ``N(0, (σC)² I)`` on the
 sum, the sum over the expected batch size; spec §1.2 (a) with λ = 0; Abadi et al. 2016), charged
 as one SGM(q, σ) event of the record unit by :class:`callbacks.RDPAccounting`.
+
+With ``privacy=ClientLevelDP(...)`` it is client-level DP-FedAvg (McMahan et al. 2018): the clients
+run the plain loop (or, with ``ClientLevelDP(local=SampleLevelDP(...))``, the private steps above,
+charged to their own ledgers), and the mechanism (:class:`fedfdp.privacy.ClientLevelDP`) samples the cohort,
+clips each update ``w_k − w_t`` to C and releases the noisy sum over the expected cohort in place of
+:meth:`aggregate`; one SGM(q, z) of the client unit per round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from torch import Tensor
 
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import ClientModule
 from fedfdp.errors import ConfigError, require
+from fedfdp.privacy.client_level import ClientLevelDP
 from fedfdp.privacy.clipping import ClipRule
 from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask, randperm, select_rows
-from fedfdp.types import (MODEL_RELEASE, ClientData, ClientUpdate, DPEvent, LocalBatch, RoundContext,
+from fedfdp.types import (CLIENT_RELEASE, MODEL_RELEASE, ClientData, ClientUpdate, DPEvent, LocalBatch, RoundContext,
                           StackedStepSpec, StepOutput)
 
 LocalMode = Literal["epoch", "poisson_batch"]
@@ -45,7 +52,8 @@ class FedAvg(Algorithm):
         sample_rate: Poisson rate q for ``poisson_batch`` (non-private only; a private run's rate
             is ``privacy.sample_rate``).
         privacy: the privacy mechanism (:class:`fedfdp.privacy.SampleLevelDP`: DP-SGD in each
-            client), or None: a non-private run.
+            client; :class:`fedfdp.privacy.ClientLevelDP`: each client hidden whole, the plain loop
+            in the clients), or None: a non-private run.
     """
 
     supports_distributed = True  # see Algorithm.supports_distributed
@@ -53,9 +61,20 @@ class FedAvg(Algorithm):
     #: Whether the algorithm runs without a privacy mechanism (False: ``privacy`` is required).
     runs_without_privacy: bool = True
 
+    #: Whether this class runs under :class:`~fedfdp.privacy.ClientLevelDP`: its clients' uploads are
+    #: the model alone and its server half needs no upload beyond the mechanism's noisy mean. Read on
+    #: the class itself only (fail-closed: a subclass that changes the local update or the server half
+    #: declares it again, :meth:`takes_client_level`).
+    accepts_client_level: ClassVar[bool] = True
+
+    @classmethod
+    def takes_client_level(cls) -> bool:
+        """Whether ``cls`` itself declares :attr:`accepts_client_level` true (an inherited one does not count)."""
+        return bool(vars(cls).get("accepts_client_level", False))
+
     def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
                  local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
-                 privacy: SampleLevelDP | None = None) -> None:
+                 privacy: SampleLevelDP | ClientLevelDP | None = None) -> None:
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
         require(local_epochs >= 1, f"algorithm.local_epochs must be >= 1, got {local_epochs}")
         require(batch_size >= 1, f"algorithm.batch_size must be >= 1, got {batch_size}")
@@ -65,10 +84,22 @@ class FedAvg(Algorithm):
         if privacy is None and not self.runs_without_privacy:
             raise ConfigError(f"{type(self).__name__} is private: algorithm.privacy must be a "
                               f"fedfdp.privacy.SampleLevelDP, got null")
-        if privacy is not None:
+        if isinstance(privacy, ClientLevelDP):
+            require(self.takes_client_level(),
+                    f"algorithm.privacy: {type(self).__name__} does not run under fedfdp.privacy.ClientLevelDP (its "
+                    f"uploads or its server half hold more than the model update, or it does not declare "
+                    f"accepts_client_level = True on its class); use fedfdp.algorithms.FedAvg or FedProx")
+            server_half = [hook for hook in ("aggregate", "on_round_end")
+                           if getattr(type(self), hook) is not getattr(FedAvg, hook)]
+            if server_half:
+                raise ConfigError(f"algorithm.privacy: {type(self).__name__} overrides {server_half[0]}, which "
+                                  f"fedfdp.privacy.ClientLevelDP never calls with the uploads (the server half sees "
+                                  f"only the mechanism's noisy mean): remove the override or the mechanism")
+        elif privacy is not None:
             require(isinstance(privacy, SampleLevelDP),
-                    f"algorithm.privacy of {type(self).__name__} must be fedfdp.privacy.SampleLevelDP or null, "
-                    f"got {type(privacy).__name__}")
+                    f"algorithm.privacy of {type(self).__name__} must be fedfdp.privacy.SampleLevelDP"
+                    f"{', ClientLevelDP' if self.takes_client_level() else ''} or null, got {type(privacy).__name__}")
+        if _record_mechanism(privacy) is not None:
             given = {"local_epochs": local_epochs, "batch_size": batch_size, "local_mode": local_mode,
                      "sample_rate": sample_rate}
             changed = sorted(k for k, v in given.items() if v != PLAIN_LOOP_DEFAULTS[k])
@@ -106,8 +137,9 @@ class FedAvg(Algorithm):
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
-        """Local SGD from ``w_t`` over :meth:`local_batches`; with ``privacy``, :meth:`private_local_update`."""
-        if self.privacy is not None:
+        """Local SGD from ``w_t`` over :meth:`local_batches`; with ``SampleLevelDP``, :meth:`private_local_update`
+        (with ``ClientLevelDP`` the plain loop: the mechanism clips and noises at aggregation)."""
+        if self.record_mechanism is not None:
             return self.private_local_update(client, data, context, generator)
         scale, lr = self.loss_scale(context), self.local_lr(context)
         losses = []
@@ -122,36 +154,69 @@ class FedAvg(Algorithm):
 
     # ---- the private local loop: steps of the mechanism ----------------------------------------
     @property
+    def record_mechanism(self) -> SampleLevelDP | None:
+        """The record-level mechanism of the clients' steps: ``privacy`` itself, or the ``local`` one
+        inside a ``ClientLevelDP``; None when the clients train without one."""
+        return _record_mechanism(self.privacy)
+
+    @property
     def mechanism(self) -> SampleLevelDP:
-        """The privacy mechanism (refused in one line where a run has none)."""
-        if self.privacy is None:
-            raise ConfigError(f"{type(self).__name__} made a private step without algorithm.privacy")
-        return self.privacy
+        """The record-level mechanism of the private steps (refused in one line where a run has none)."""
+        mechanism = self.record_mechanism
+        if mechanism is None:
+            raise ConfigError(f"{type(self).__name__} made a private step without algorithm.privacy: "
+                              f"fedfdp.privacy.SampleLevelDP")
+        return mechanism
 
     @property
     def local_steps(self) -> int:
         """The private steps of a round (``privacy.local_steps``); a non-private run has none (its loop is
         ``local_epochs`` of ``batch_size`` batches, or one Poisson batch)."""
-        if self.privacy is None:
-            raise AttributeError(f"a non-private {type(self).__name__} has no local_steps (its local loop is "
+        if self.record_mechanism is None:
+            raise AttributeError(f"a {type(self).__name__} without record-level privacy has no local_steps (its local loop is "
                                  f"local_epochs of batch_size batches, or one Poisson batch)")
-        return self.privacy.local_steps
+        return self.mechanism.local_steps
 
     def clip_rule(self, context: RoundContext) -> ClipRule:
         """Per-sample clip rule of this round: the mechanism's flat clipping at C."""
         return self.mechanism.flat_clip()
 
     def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
-        """The mechanism's events of a round (none without privacy)."""
-        return [] if self.privacy is None else self.privacy.planned_events()
+        """The record-level mechanism's events of a client's round (none without it: the client-level
+        mechanism charges the population once a round, :meth:`ClientLevelDP.round_events`)."""
+        record = self.record_mechanism
+        return record.planned_events() if record is not None else []
 
     def dp_releases(self) -> list[DPRelease]:
-        """The mechanism's releases: the model update, per-sample clip ``C``, noise ``σC``."""
+        """The mechanism's releases: the model update (per-sample clip ``C``, noise ``σC``), or the
+        round's aggregate (per-client clip ``C``, noise ``zC``)."""
         return [] if self.privacy is None else self.privacy.releases()
 
     def upload_privacy(self) -> dict[str, str | None]:
-        """The local model is the output of the mechanism's steps (kind ``model``), or not private."""
+        """The local model is the output of the record-level mechanism's steps (kind ``model``; with
+        ``ClientLevelDP`` too), else released only through the client-level mechanism's noisy sum (kind
+        ``client_update``), or not private."""
+        if isinstance(self.privacy, ClientLevelDP) and self.record_mechanism is None:
+            return {"params": CLIENT_RELEASE}
         return {"params": MODEL_RELEASE if self.privacy is not None else None}
+
+    # ---- the server state of a client-level mechanism (adaptive clipping's C_t) ----------------
+    def on_round_end(self, updates: list[ClientUpdate], context: RoundContext) -> dict[str, float]:
+        """Log the client-level mechanism's clip bound for the next round when it adapts (released
+        counts' post-processing)."""
+        if isinstance(self.privacy, ClientLevelDP) and self.privacy.adaptive:
+            return {"client_clip_norm": self.privacy.current_clip_norm}
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The privacy mechanism's state, when it has one (adaptive clipping's ``C_t``)."""
+        state = self.privacy.state_dict() if isinstance(self.privacy, ClientLevelDP) else {}
+        return {"privacy": state} if state else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if "privacy" in state and isinstance(self.privacy, ClientLevelDP):
+            self.privacy.load_state_dict(state["privacy"])
 
     def local_lr(self, context: RoundContext) -> float:
         """The local learning rate of this round's steps, private or not (``lr``; a schedule overrides
@@ -190,7 +255,7 @@ class FedAvg(Algorithm):
         ``local_steps`` lockstep steps (:meth:`lockstep_spec`); None without privacy, or when a
         subclass (or mixin) replaces :meth:`local_update` or :meth:`private_local_update` (its own
         local update must then run, unless it declares its own equivalent step from :meth:`one_step_spec`)."""
-        if self.privacy is None or type(self).local_update is not FedAvg.local_update \
+        if self.record_mechanism is None or type(self).local_update is not FedAvg.local_update \
                 or type(self).private_local_update is not FedAvg.private_local_update:
             return None
         if self.local_steps == 1:
@@ -221,10 +286,17 @@ class FedAvg(Algorithm):
         """:meth:`private_local_update` with ``local_steps = 1`` in the two halves of a stacked round
         (None for several steps, or without privacy): the client's private batch and fresh clip rule,
         and :meth:`client_update`."""
-        if self.privacy is None or self.local_steps != 1:
+        if self.record_mechanism is None or self.local_steps != 1:
             return None
         lr = self.local_lr(context)
         return StackedStepSpec(
             batch=lambda data, generator: self.at_lr(self.private_batch(data, self.clip_rule(context), generator), lr),
             update=lambda client, data, output: self.client_update(client, data, [output]),
             sample_rate=self.mechanism.sample_rate)
+
+
+def _record_mechanism(privacy: SampleLevelDP | ClientLevelDP | None) -> SampleLevelDP | None:
+    """The record-level mechanism of a run's clients: ``privacy``, or a ``ClientLevelDP``'s ``local`` one."""
+    if isinstance(privacy, ClientLevelDP):
+        return privacy.local
+    return privacy if isinstance(privacy, SampleLevelDP) else None

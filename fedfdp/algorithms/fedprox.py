@@ -13,6 +13,7 @@ from torch import Tensor
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.algorithms.grad_terms import GradTerm, GradTermMixin
 from fedfdp.errors import require
+from fedfdp.privacy.client_level import ClientLevelDP
 from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.types import RoundContext
 
@@ -35,12 +36,15 @@ class FedProx(_Proximal, FedAvg):
 
     Args:
         mu: proximal weight μ ≥ 0 (spec §6: 0.01; μ = 0 is FedAvg).
-        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`.
+        lr, local_epochs, batch_size, local_mode, sample_rate, privacy: as for :class:`FedAvg`
+            (``ClientLevelDP`` included: the proximal term changes only the clients' plain loop).
     """
+
+    accepts_client_level = True  # the upload is the model alone; the server half is FedAvg's
 
     def __init__(self, *, mu: float = 0.01, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
                  local_mode: LocalMode = "epoch", sample_rate: float = 0.05,
-                 privacy: SampleLevelDP | None = None) -> None:
+                 privacy: SampleLevelDP | ClientLevelDP | None = None) -> None:
         super().__init__(lr=lr, local_epochs=local_epochs, batch_size=batch_size, local_mode=local_mode,
                          sample_rate=sample_rate, privacy=privacy)
         self._init_mu(mu)

@@ -71,6 +71,11 @@ def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
     if algorithm.deploy_refusal is not None:
         raise ConfigError(f"{type(algorithm).__name__} cannot run in a Flower deployment: it "
                           f"{algorithm.deploy_refusal} (run it with python -m fedfdp.fit)")
+    mechanism = getattr(algorithm, "privacy", None)
+    if getattr(mechanism, "releases_aggregate", False):
+        raise ConfigError(f"algorithm.privacy {type(mechanism).__name__} cannot run in a Flower deployment yet: its "
+                          f"cohort is Poisson-sampled by the server, which SuperNode participation is not (run it with "
+                          f"python -m fedfdp.fit)")
     for cb in callbacks:
         if isinstance(cb, SIMULATION_ONLY_CALLBACKS) or (isinstance(cb, FederationCallback)
                                                         and not cb.supports_distributed):

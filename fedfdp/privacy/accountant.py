@@ -64,8 +64,23 @@ class PrivacyAccountant(Protocol):
         """Whether the run's (ε, δ) claim holds: every release was checked at start, none ran without one."""
         ...
 
+    @property
+    def unit(self) -> str:
+        """What the run's ε hides: ``record`` or ``client`` (a client-level mechanism runs)."""
+        ...
+
+    population_size: int | None
+
     def epsilon(self) -> float:
-        """ε spent so far (all releases), maximum over clients (inf for a run without a guarantee)."""
+        """ε spent so far (all releases) in the run's unit (inf for a run without a guarantee)."""
+        ...
+
+    def population_rounds(self) -> int:
+        """The client-unit releases charged so far (rounds of a client-level mechanism)."""
+        ...
+
+    def record_epsilon(self) -> float:
+        """ε for one record of any client (with a client-level mechanism, the better of the two analyses)."""
         ...
 
     def budgeted_epsilon(self) -> float:
@@ -92,12 +107,14 @@ class PrivacyAccountant(Protocol):
         ...
 
     # ---- planning -------------------------------------------------------------------------------
-    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int) -> int | None:
+    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int,
+                       population: Sequence[tuple[str, DPEvent]] = ()) -> int | None:
         """The round count (from round 0) at which the budget is spent (None: no budget)."""
         ...
 
-    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents) -> None:
-        """Refuse (``PrivacyBudgetError``) a round that would take a client past the budget."""
+    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents,
+                    population: Sequence[tuple[str, DPEvent]] = ()) -> None:
+        """Refuse (``PrivacyBudgetError``) a round that would take a client (or the population) past the budget."""
         ...
 
     # ---- charging -------------------------------------------------------------------------------
@@ -111,6 +128,10 @@ class PrivacyAccountant(Protocol):
 
     def charge_release(self, client_id: int, events: Sequence[tuple[str, DPEvent]], *, round_idx: int) -> None:
         """Charge a one-off release made outside the uploads (written and fsynced first)."""
+        ...
+
+    def charge_population(self, round_idx: int, events: Sequence[tuple[str, DPEvent]]) -> None:
+        """Charge a round's client-unit release to the population's ledger (written and fsynced first)."""
         ...
 
     def mark_non_private(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fedfdp.errors import PrivacyError
 from fedfdp.privacy.accounting import Accountant, DPEvent, PrivacyLedger, epsilon_of, uncovered_steps
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile, checkpoint_entries
-from fedfdp.types import MODEL_RELEASE
+from fedfdp.types import CLIENT_RELEASE, MODEL_RELEASE, POPULATION
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ AccountingMode = Literal["theorem2", "model_only"]
 def counted_events(events: Iterable[tuple[str, DPEvent]], mode: AccountingMode) -> list[DPEvent]:
     """The events of ``(kind, event)`` pairs that ``mode`` counts against the budget."""
     if mode == "model_only":
-        return [e for kind, e in events if kind == MODEL_RELEASE]
+        return [e for kind, e in events if kind in (MODEL_RELEASE, CLIENT_RELEASE)]
     return [e for _, e in events]
 
 
@@ -106,12 +106,21 @@ class RunLedger:
         self._budget_spent.clear()
 
     def epsilon(self) -> float:
-        """ε spent so far (all releases), maximum over clients."""
-        return max(self._spent.values(), default=0.0)
+        """ε spent so far (all releases of the record unit), maximum over clients."""
+        return max((eps for cid, eps in self._spent.items() if cid != POPULATION), default=0.0)
 
     def budgeted_epsilon(self) -> float:
-        """ε spent so far by the budget-counted releases, maximum over clients."""
-        return max(self._budget_spent.values(), default=0.0)
+        """ε spent so far by the budget-counted releases of the record unit, maximum over clients."""
+        return max((eps for cid, eps in self._budget_spent.items() if cid != POPULATION), default=0.0)
+
+    def has_record_events(self) -> bool:
+        """Whether any client's own ledger holds an event (a record-level release was charged)."""
+        return any(cid != POPULATION and led.events for cid, led in self.ledgers.items())
+
+    def population_epsilon(self, budgeted: bool = False) -> float:
+        """ε of the client unit so far (the population's ledger, :data:`~fedfdp.types.POPULATION`):
+        all its releases, or with ``budgeted`` those the budget counts."""
+        return (self._budget_spent if budgeted else self._spent).get(POPULATION, 0.0)
 
     def client_epsilon(self, client_id: int) -> float:
         """ε spent so far by one client (all releases; 0 for a client that never trained)."""
@@ -121,9 +130,14 @@ class RunLedger:
         """ε spent so far by one client's budget-counted releases (0 for a client that never trained)."""
         return self._budget_spent.get(client_id, 0.0)
 
-    def epsilon_rdp(self) -> float:
-        """ε spent so far (all releases) by the RDP accountant, maximum over clients (for comparison)."""
-        return max((epsilon_of(led.events, self.delta, self.orders) for led in self.ledgers.values()), default=0.0)
+    def epsilon_rdp(self, population: bool = False) -> float:
+        """ε spent so far (all releases) by the RDP accountant, maximum over clients (for comparison), or
+        with ``population`` of the client unit."""
+        if population:
+            led = self.ledgers.get(POPULATION)
+            return epsilon_of(led.events, self.delta, self.orders) if led is not None else 0.0
+        return max((epsilon_of(led.events, self.delta, self.orders) for cid, led in self.ledgers.items()
+                    if cid != POPULATION), default=0.0)
 
     # ---- the ledger file ------------------------------------------------------------------------
     def open(self, rank: int = 0) -> None:

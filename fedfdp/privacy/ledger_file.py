@@ -15,7 +15,8 @@ them again uncounted. This file is the accountant's source of truth instead:
   from the file, so rounds that are replayed after a crash are charged again, never forgotten.
 
 Format: one JSON object per line,
-``{"round": t, "client": i, "kind": "model"|"loss"|..., "sigma": σ, "q": q, "steps": n}``.
+``{"round": t, "client": i, "kind": "model"|"loss"|..., "sigma": σ, "q": q, "steps": n}``; an event of
+the client unit (client-level DP) is charged to the whole population: ``"client": -1, "unit": "client"``.
 A line cut short by a crash during the write was never fsynced, hence never released: it is
 dropped when the file is opened again. Several processes (:mod:`fedfdp.distributed`) each
 append to their own file (``<stem>.rank<r>.jsonl``); reading takes the union.
@@ -34,6 +35,7 @@ from typing import Any
 
 from fedfdp.errors import DataError
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.types import POPULATION
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class LedgerEntry:
         e = self.event
         record: dict[str, Any] = {"round": self.round, "client": self.client, "kind": self.kind,
                                   "sigma": float(e.noise_multiplier), "q": float(e.sample_rate), "steps": int(e.steps)}
+        if self.client == POPULATION:  # a client-unit event, charged to the whole population
+            record["unit"] = "client"
         if self.run is not None:
             record["run"] = self.run
         return json.dumps(record)

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from fedfdp.privacy.accounting import DPEvent
+from fedfdp.types import CLIENT_RELEASE
 
 if TYPE_CHECKING:
     from fedfdp.types import ClientUpdate
@@ -281,8 +282,9 @@ def verify_upload(update: ClientUpdate, trace: MechanismTrace, declared: dict[st
     kinds = {call.kind for call in trace.calls}
     for name in upload_fields(update):
         kind = declared.get(name)
-        if kind is None or kind == post_processing:
-            continue  # not claimed private (refused elsewhere), or post-processing of charged releases
+        if kind is None or kind in (post_processing, CLIENT_RELEASE):
+            continue  # not claimed private (refused elsewhere), post-processing of charged releases, or
+            # released only through the client-level mechanism's noisy sum on the server side
         if name == "params" and not trace.released_model(update.params):
             problems.append(f"uploads a {describe(name)} that is not the model state after its last private step "
                             f"(changed after the mechanism, trained without it, or trained from a model that was "

@@ -36,6 +36,7 @@ from fedfdp.privacy.ledger import AccountingMode, RunLedger
 from fedfdp.privacy.planning import MAX_ROUNDS, affordable_rounds
 from fedfdp.privacy.uploads import unprotected_declarations, unprotected_fields
 from fedfdp.privacy.validation import DPRelease, check_releases, sample_mixing_layers
+from fedfdp.types import POPULATION
 
 if TYPE_CHECKING:
     from torch import nn
@@ -105,6 +106,7 @@ class RunAccountant:
         self.declared_uploads: dict[str, str | None] | None = None  # upload field -> how it is private
         self._charged: set[int] = set()  # clients of the current round charged by charge_upload
         self.repeated_releases = 0  # releases charged twice: made after a checkpoint, again on resume
+        self.population_size: int | None = None  # N, when a client-level mechanism runs (:meth:`set_population`)
         self.ledger = RunLedger(orders=self.orders, delta=delta, mode=accounting_mode, accountant_kind=accountant,
                                 path=ledger_path)
 
@@ -128,12 +130,39 @@ class RunAccountant:
         """Every client's ledger of the releases the budget counts."""
         return self.ledger.budget_ledgers
 
+    @property
+    def unit(self) -> str:
+        """What the run's ε hides: ``client`` (a client-level mechanism runs) or ``record``."""
+        return "record" if self.population_size is None else "client"
+
     def epsilon(self) -> float:
-        """ε spent so far (all releases), maximum over clients (inf for a run without a guarantee)."""
-        return math.inf if self.unbounded else self.ledger.epsilon()
+        """ε spent so far (all releases) in the run's :attr:`unit`: for one client of the population
+        (the population's ledger), or for one record (the maximum over the clients' ledgers); inf for
+        a run without a guarantee."""
+        if self.unbounded:
+            return math.inf
+        return self.ledger.epsilon() if self.population_size is None else self.ledger.population_epsilon()
+
+    def population_rounds(self) -> int:
+        """The client-unit releases charged so far (rounds of a client-level mechanism)."""
+        led = self.ledger.ledgers.get(POPULATION)
+        return sum(e.steps for e in led.events) if led is not None else 0
+
+    def record_epsilon(self) -> float:
+        """ε for one record of any client: the clients' own ledgers; with a client-level mechanism the
+        better of that and the client ε (hiding a client hides each of its records), the client ε
+        alone when no record-level release was made."""
+        if self.unbounded:
+            return math.inf
+        if self.population_size is None:
+            return self.ledger.epsilon()
+        client = self.ledger.population_epsilon()
+        return min(client, self.ledger.epsilon()) if self.ledger.has_record_events() else client
 
     def budgeted_epsilon(self) -> float:
-        """ε spent so far by the releases that ``accounting_mode`` counts, maximum over clients."""
+        """ε spent so far by the releases that ``accounting_mode`` counts, in the run's :attr:`unit`."""
+        if self.population_size is not None:
+            return self.ledger.population_epsilon(budgeted=True)
         return self.ledger.budgeted_epsilon()
 
     def client_epsilon(self, client_id: int) -> float:
@@ -141,8 +170,8 @@ class RunAccountant:
         return math.inf if self.unbounded else self.ledger.client_epsilon(client_id)
 
     def epsilon_rdp(self) -> float:
-        """ε spent so far (all releases) by the RDP accountant, maximum over clients (for comparison)."""
-        return math.inf if self.unbounded else self.ledger.epsilon_rdp()
+        """ε spent so far (all releases) by the RDP accountant in the run's unit (for comparison)."""
+        return math.inf if self.unbounded else self.ledger.epsilon_rdp(population=self.population_size is not None)
 
     def round_metrics(self) -> dict[str, float]:
         """What a round logs: ``epsilon``, and ``epsilon_budgeted`` / ``epsilon_rdp`` where they differ."""
@@ -164,6 +193,14 @@ class RunAccountant:
         self.unbounded = True
 
     # ---- start ------------------------------------------------------------------------------
+    def set_population(self, num_clients: int) -> None:
+        """A client-level mechanism runs over a population of ``num_clients``: ε is for one client, and
+        δ must be below 1/N (releasing one random client outright is already (0, 1/N)-DP)."""
+        if not self.delta < 1.0 / num_clients:
+            raise ConfigError(f"RDPAccounting.delta={self.delta:g} guarantees nothing for one client: it must be in "
+                              f"(0, 1/N) with N = {num_clients}, the population (1/N = {1.0 / num_clients:.3g})")
+        self.population_size = num_clients
+
     def check_delta(self, train_sizes: Iterable[int]) -> None:
         """Refuse δ ≥ 1/n, n the smallest client's training set: releasing one random record of it
         outright is already (0, 1/n)-DP, so such a δ guarantees nothing (Dwork & Roth 2014, §2.3)."""
@@ -228,24 +265,32 @@ class RunAccountant:
         return repeated
 
     # ---- planning ---------------------------------------------------------------------------
-    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int) -> int | None:
+    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int,
+                       population: Sequence[tuple[str, DPEvent]] = ()) -> int | None:
         """The round count (from round 0) at which the budget is spent, given what is already charged.
 
         ``start_round`` rounds are done (the checkpoint's round, 0 for a fresh start); the ledgers
         already hold every release made so far, replayed rounds included. The rounds still
         affordable are those that keep every client's ε ≤ target if it takes part in each
         (:func:`fedfdp.privacy.planning.affordable_rounds`); ``planned(client)`` is one round's events.
+        With a client-level mechanism the budget is the client unit's: the rounds that keep the
+        population's ε (one round: ``population``) within the target.
         """
         if self.target_epsilon is None:
             return None
-        clients = ((self.ledger.counted(planned(cid)), self.ledger.spent_budget_events(cid))
-                   for cid in range(num_clients))
+        if self.population_size is not None:
+            clients: Iterable[tuple[Sequence[DPEvent], Sequence[DPEvent]]] = [
+                (self.ledger.counted(population), self.ledger.spent_budget_events(POPULATION))]
+        else:
+            clients = ((self.ledger.counted(planned(cid)), self.ledger.spent_budget_events(cid))
+                       for cid in range(num_clients))
         remaining = affordable_rounds(clients, target_epsilon=self.target_epsilon, delta=self.delta,
                                       orders=self.orders, rule=self.rounds_rule, accountant=self.accountant,
                                       spent_epsilon=self.budgeted_epsilon(), cap=MAX_ROUNDS)
         return start_round + remaining
 
-    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents) -> None:
+    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents,
+                    population: Sequence[tuple[str, DPEvent]] = ()) -> None:
         """Start round ``round_idx`` (0-based): refuse it if it would take any client past the budget
         (strict rule only).
 
@@ -254,6 +299,14 @@ class RunAccountant:
         """
         self._charged.clear()
         if self.target_epsilon is None or self.rounds_rule != "strict":
+            return
+        if self.population_size is not None:
+            projected = self.ledger.budget_ledger(POPULATION).projected_epsilon(self.ledger.counted(population),
+                                                                                self.delta)
+            if projected > self.target_epsilon:
+                raise PrivacyBudgetError(
+                    f"round {round_idx} would spend epsilon={projected:.4f} for a client of the population, over "
+                    f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
             return
         for cid in client_ids:
             projected = self.ledger.budget_ledger(cid).projected_epsilon(self.ledger.counted(planned(cid)), self.delta)
@@ -284,7 +337,8 @@ class RunAccountant:
         self.ledger.charge(round_idx, update.client_id, update.dp_events, sync=False)
         self._charged.add(update.client_id)
         spent = self.ledger.client_budgeted_epsilon(update.client_id)
-        if self.target_epsilon is not None and self.rounds_rule == "strict" and spent > self.target_epsilon:
+        if self.population_size is None and self.target_epsilon is not None and self.rounds_rule == "strict" \
+                and spent > self.target_epsilon:  # (with a client-level mechanism the budget is the client unit's)
             # the round's guard projected the planned events; an upload that charges more (a planning
             # bug) must not take the run past its budget: charged, but not released
             raise PrivacyBudgetError(
@@ -299,6 +353,19 @@ class RunAccountant:
             self.ledger.record(update.client_id, update.dp_events)
         self.ledger.refresh({u.client_id for u in others})
         self._charged.clear()
+
+    def charge_population(self, round_idx: int, events: Sequence[tuple[str, DPEvent]]) -> None:
+        """Charge the round's release to the population's ledger (client unit), written and fsynced
+        before the release is made.
+
+        Raises:
+            PrivacyBudgetError: the release takes the population past ``target_epsilon`` (strict rule).
+        """
+        self.ledger.charge(round_idx, POPULATION, events)
+        spent = self.ledger.population_epsilon(budgeted=True)
+        if self.target_epsilon is not None and self.rounds_rule == "strict" and spent > self.target_epsilon:
+            raise PrivacyBudgetError(f"round {round_idx + 1}: the aggregate charges epsilon {spent:.4f} per client, "
+                                     f"over RDPAccounting.target_epsilon={self.target_epsilon}; it was not released")
 
     def charge_release(self, client_id: int, events: Sequence[tuple[str, DPEvent]], *, round_idx: int) -> None:
         """Charge a release a client makes outside its uploads (once, e.g. a noisy label histogram

@@ -16,9 +16,8 @@ and is charged as one Poisson-sampled Gaussian event SGM(q, σ) of the *record* 
 algorithm adds around it (a clip rule other than flat, a data-independent gradient term, an
 update rule, a server step) is its own; what a guarantee rests on is here.
 
-Algorithms that can run privately take ``privacy: SampleLevelDP | None``; the client-level
-mechanism of the issue "Client-level DP for thousands of clients" is the next
-:class:`PrivacyMechanism` (not yet shipped: an algorithm refuses any other mechanism in one line).
+Algorithms that can run privately take ``privacy: SampleLevelDP | None``; FedAvg and FedProx also
+take the client-level mechanism, :class:`fedfdp.privacy.ClientLevelDP` (:mod:`fedfdp.privacy.client_level`).
 """
 
 from __future__ import annotations
@@ -48,10 +47,18 @@ class PrivacyMechanism:
     """
 
     unit: ClassVar[PrivacyUnit]
+    #: Whether the server half's aggregate is this mechanism's release (:meth:`release_aggregate`,
+    #: client-level DP) rather than the algorithm's ``aggregate`` of uploads private on their own.
+    releases_aggregate: ClassVar[bool] = False
 
     def describe(self) -> str:
         """One line for logs and reports."""
         return type(self).__name__
+
+    def round_events(self, num_clients: int) -> list[tuple[str, DPEvent]]:
+        """The events the server's release of a round charges to the population (client unit); none
+        for a mechanism whose releases are the clients' own."""
+        return []
 
 
 class SampleLevelDP(PrivacyMechanism):

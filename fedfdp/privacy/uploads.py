@@ -12,6 +12,9 @@ field they put into an upload is private (``Algorithm.upload_privacy`` /
 * :data:`POST_PROCESSING`: the field is computed only from charged releases and public values
   (e.g. SCAFFOLD's control-variate change from the noisy model, an adaptive bound from released
   counts); post-processing costs no ε (Dwork & Roth 2014, Prop. 2.1);
+* :data:`~fedfdp.types.CLIENT_RELEASE`: the field (the model) reaches the server's half only through
+  the client-level mechanism's noisy sum of clipped updates, charged once a round to the population
+  (:class:`fedfdp.privacy.ClientLevelDP`), not with each upload;
 * ``None``: the field leaves the client without a guarantee.
 
 A run's claim of (ε, δ)-DP holds only when every declared field is private
@@ -27,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.types import ClientUpdate
+from fedfdp.types import CLIENT_RELEASE, ClientUpdate
 
 
 class _Declaring(Protocol):
@@ -97,6 +100,6 @@ def unprotected_fields(update: ClientUpdate, declared: dict[str, str | None]) ->
         kind = declared.get(field)
         if field not in declared or kind is None:
             problems.append(describe(field) + (" (declared by no component)" if field not in declared else ""))
-        elif kind != POST_PROCESSING and kind not in charged:
+        elif kind not in (POST_PROCESSING, CLIENT_RELEASE) and kind not in charged:
             problems.append(f"{describe(field)} (no {kind!r} DP event charged for it)")
     return problems

@@ -94,7 +94,7 @@ def test_a_mechanism_the_algorithm_cannot_use_is_refused():
     class Other(PrivacyMechanism):
         unit = "client"
 
-    with pytest.raises(ConfigError, match="algorithm.privacy of FedProx must be fedfdp.privacy.SampleLevelDP or null"):
+    with pytest.raises(ConfigError, match="algorithm.privacy of FedProx must be fedfdp.privacy.SampleLevelDP, ClientLevelDP or null"):
         algorithms.FedProx(privacy=Other())  # type: ignore[arg-type]
 
 
