@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datamodules.cifar10 import CIFAR10DataModule
 from datamodules.federated import FederatedDataModule
+from datamodules.femnist import FEMNISTDataModule
 from datamodules.har import HARDataModule, SyntheticHARDataModule
 from datamodules.idx import IDX_DATASETS, find_idx_files, load_idx_dataset, read_idx
 from datamodules.mnist import FashionMNISTDataModule, MNISTDataModule
@@ -33,6 +34,7 @@ __all__ = [
     "SyntheticHARDataModule",
     "IDX_DATASETS",
     "FashionMNISTDataModule",
+    "FEMNISTDataModule",
     "FederatedDataModule",
     "MNISTDataModule",
     "SyntheticDataModule",

@@ -22,7 +22,12 @@ keep the server's view of every client's ε (``RDPAccounting``), write ``metrics
   figures cover the clients that answered, and ``summary.json`` names them (``evaluated_clients``).
 
 The server's ε is what the clients declared with their uploads; each client's own ledger, on its
-node, is the one that counts (:mod:`fedfdp.flower.node_ledger`).
+node, is the one that counts (:mod:`fedfdp.flower.node_ledger`). With client-level DP
+(:class:`fedfdp.privacy.ClientLevelDP`) the server is the trusted aggregator: it draws the Poisson
+cohort over the N partitions itself (the nodes it asks are those sampled; a sampled node that does
+not answer only lowers the inclusion rate, which the accountant's q bounds), clips each received
+update, adds the noise and charges the population's ledger in its run directory, which holds the
+run's client-level ε; the nodes' ledgers hold their record-level releases, if any.
 """
 
 from __future__ import annotations
@@ -71,11 +76,6 @@ def check_deployable(algorithm: Algorithm, callbacks: list[Any]) -> None:
     if algorithm.deploy_refusal is not None:
         raise ConfigError(f"{type(algorithm).__name__} cannot run in a Flower deployment: it "
                           f"{algorithm.deploy_refusal} (run it with python -m fedfdp.fit)")
-    mechanism = getattr(algorithm, "privacy", None)
-    if getattr(mechanism, "releases_aggregate", False):
-        raise ConfigError(f"algorithm.privacy {type(mechanism).__name__} cannot run in a Flower deployment yet: its "
-                          f"cohort is Poisson-sampled by the server, which SuperNode participation is not (run it with "
-                          f"python -m fedfdp.fit)")
     for cb in callbacks:
         if isinstance(cb, SIMULATION_ONLY_CALLBACKS) or (isinstance(cb, FederationCallback)
                                                         and not cb.supports_distributed):
@@ -306,11 +306,17 @@ class FlowerFederation(Federation):
         self.participation.record(context.round + 1, client_ids, [u.client_id for u in updates], refusers)
         self._round_counts = {"clients_uploaded": float(len(updates)), "clients_refused": float(len(refused)),
                               "clients_missing": float(len(client_ids) - len(updates) - len(refused))}
-        if not updates:
+        if not updates and (client_ids or not self._releases_aggregate()):
             raise FedFDPError(f"round {context.round + 1}: no client released an update "
                               f"({len(refused)} refused, {len(client_ids) - len(refused)} failed or did not answer)"
                               + (f"; first refusal: {refused[0]}" if refused else ""))
         return updates
+
+    def _releases_aggregate(self) -> bool:
+        """Whether the round's release is the mechanism's noisy aggregate (client-level DP), which a
+        round whose Poisson cohort is empty makes too (noise alone)."""
+        mechanism = self.privacy_mechanism
+        return mechanism is not None and mechanism.releases_aggregate
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """The simulation's round; also logs how many clients uploaded, refused or were missing."""

@@ -104,3 +104,29 @@ def test_client_state_file_keeps_the_last_rounds_and_refuses_a_state_it_lacks(tm
     with pytest.raises(ClientStateError, match="is not client 0's state of run run1"):
         NodeStateFile(tmp_path, "run1", 0).load(2)
     assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporary file
+
+
+@pytest.mark.slow
+def test_a_client_level_deployment_equals_the_simulation(tmp_path):
+    """Client-level DP deployed: the server draws the Poisson cohort, clips, adds the noise and charges the
+    population's ledger; 3 rounds (nodes restarted before the last) give the simulation's model and ε,
+    and no node's ledger holds a client-level charge."""
+    from tests.conftest import REPO
+
+    config = REPO / "tests" / "configs" / "tiny_client_dp.yaml"
+    sim = tmp_path / "sim"
+    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
+    ledgers = tmp_path / "ledgers"
+    settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
+                                               "run-dir": str(tmp_path / "flower")})
+    run_dir = run_server(InProcessGrid(grid_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
+    deployed, simulated = global_model(run_dir), global_model(sim)
+    for key in simulated:
+        torch.testing.assert_close(deployed[key], simulated[key], rtol=1e-6, atol=1e-7, msg=key)
+    flower_summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, sim))
+    assert flower_summary["epsilon_unit"] == sim_summary["epsilon_unit"] == "client"
+    assert flower_summary["privacy"]["client"] == sim_summary["privacy"]["client"]
+    assert flower_summary["privacy"]["client"]["rounds"] == ROUNDS
+    server_ledger = LedgerFile(run_dir / "privacy_ledger.jsonl").read()
+    assert [e.round for e in server_ledger] == list(range(ROUNDS)) and {e.client for e in server_ledger} == {-1}
+    assert not [e for c in range(3) for e in LedgerFile(ledger_path(ledgers, c)).read()]  # nothing per node
