@@ -256,6 +256,8 @@ class RunSummary(FederationCallback):
             out["accounting_mode"] = accountant.accounting_mode
             out["releases_repeated"] = accountant.repeated_releases  # charged twice: a session cut mid-round
             out["privacy"] = privacy_guarantees(federation)
+        for cb in federation.federation_callbacks():
+            out.update(cb.summary_entries(federation))
         return out
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -332,9 +332,12 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         mechanism = self.privacy_mechanism
         if mechanism is not None and mechanism.releases_aggregate:
             # client-level DP: the mechanism clips and noises the round's sum (charged just before, by
-            # on_before_aggregate); the server's half sees that release alone, no upload
+            # on_before_aggregate); the server's half sees that release alone, no upload. An audit's
+            # canaries take part in the release as clients would (callbacks.CanaryClientAudit).
+            canaries = [u for cb in self.federation_callbacks()
+                        for u in cb.canary_uploads(self.trainer, self, round_idx, global_params)]
             target = mechanism.release_aggregate(  # type: ignore[attr-defined]
-                global_params, updates, self.num_clients, self.generator("aggregate", round_idx))
+                global_params, [*updates, *canaries], self.num_clients, self.generator("aggregate", round_idx))
             released: list[ClientUpdate] = []
         else:
             # the server's half reads what was released: the uploads without the simulation's diagnostics

@@ -218,9 +218,20 @@ class FederationHooks:
                             updates: list[ClientUpdate]) -> None:
         """Called once all clients of the round have uploaded, before the server aggregates."""
 
+    def canary_uploads(self, trainer: Trainer, federation: FederationView, round_idx: int,
+                       global_params: Tensor) -> list[ClientUpdate]:
+        """Uploads of audit canaries that take part in this round's release, beside the clients' (an
+        empirical privacy audit, ``callbacks.CanaryClientAudit``); only a mechanism that releases the
+        round's aggregate (client-level DP) takes them, after ``on_before_aggregate``. None by default."""
+        return []
+
     def on_round_end(self, trainer: Trainer, federation: FederationView, context: RoundContext,
                      updates: list[ClientUpdate], metrics: dict[str, float]) -> None:
         """Called after aggregation; add scalars to ``metrics`` to have them logged this round."""
+
+    def summary_entries(self, federation: FederationView) -> dict[str, Any]:
+        """Entries this callback adds to ``summary.json`` (e.g. an audit's ``audit``); none by default."""
+        return {}
 
     def on_evaluate(self, trainer: Trainer, federation: FederationView, result: EvaluationResult,
                     metrics: dict[str, Any]) -> None:

@@ -163,6 +163,13 @@ def _tiny_data(name: str, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if name == "SyntheticHARDataModule":
         finp = yaml.safe_load((TINY / "tiny_finp.yaml").read_text())
         return finp["data"], finp["model"]["client"]["init_args"]["net"]
+    if name == "FEMNISTDataModule":
+        from tests.datamodules.test_femnist import write_leaf
+
+        if not (tmp / "femnist").exists():
+            write_leaf(tmp / "femnist", writers=6, files=2)
+        net = {"class_path": "fedfdp.models.MLP", "init_args": {"in_features": 784, "num_classes": 62, "hidden": 16}}
+        return {"class_path": "datamodules.FEMNISTDataModule", "init_args": {"data_dir": str(tmp / "femnist")}}, net
     raise KeyError(f"no tiny data for shipped datamodule {name}: add it to tests/input_generator.py")
 
 
@@ -205,6 +212,8 @@ def family_config(family: Family, tmp: Path) -> Path:
     elif kind in ("data", "features"):
         data_swap = "FashionMNISTDataModule" if kind == "features" else name
     base = TINY / "tiny_dpfedavg.yaml" if algorithm is None else algorithm_config(algorithm, tmp)
+    if kind == "privacy" and name == "ClientLevelDP":  # its own options: tiny_client_dp.yaml
+        base = TINY / "tiny_client_dp.yaml"
     config = yaml.safe_load(base.read_text())
     model = config["model"]
     if kind == "privacy":  # FedAvg with this mechanism, its options as in tiny_dpfedavg.yaml
@@ -318,6 +327,10 @@ def all_cases() -> list[Case]:
     return cases
 
 
+#: The kinds of bad value the sample always holds one case of (numbers at the edges, strings, a path).
+VALUE_KINDS = ("0", "-1", "1e-300", "1e300", ".inf", ".nan", "abc", "", str(2**40), "path:junk")
+
+
 def default_sample(size: int = 60) -> list[Case]:
     """A deterministic cheap sample (about half a minute on 2 cores) of :func:`all_cases`.
 
@@ -325,8 +338,8 @@ def default_sample(size: int = 60) -> list[Case]:
     ``ckpt_path``, the accountant's ``target_epsilon`` at 1e-300, 1e300 and inf, the privacy
     mechanism's ``sample_rate`` and ``noise_multiplier`` (on DP-FedAvg) and FedAvg's ``lr`` at
     1e-300 (the seed range, the number rules
-    and the checkpoint check); then cases in a fixed pseudo-random order (crc32 of the id), at most
-    one per (family, option), up to ``size``.
+    and the checkpoint check), and one case of each of :data:`VALUE_KINDS`; then cases in a fixed
+    pseudo-random order (crc32 of the id), at most one per (family, option), up to ``size``.
     """
     cases = all_cases()
     pinned = [c for c in cases if c.family == "run" and c.key in ("seed_everything", "model.num_rounds", "ckpt_path")]
@@ -336,7 +349,15 @@ def default_sample(size: int = 60) -> list[Case]:
                and c.key.endswith((".privacy.init_args.sample_rate", ".privacy.init_args.noise_multiplier"))]
     pinned += [c for c in cases if c.family == "algorithm:FedAvg" and c.value == "1e-300" and c.key.endswith(".lr")]
     seen = {(c.family, c.key) for c in pinned}
-    for case in sorted(cases, key=lambda c: zlib.crc32(c.id.encode())):
+    ordered = sorted(cases, key=lambda c: zlib.crc32(c.id.encode()))
+    for kind in VALUE_KINDS:  # every kind of value, whatever the families shipped today
+        if any(c.value == kind for c in pinned):
+            continue
+        case = next((c for c in ordered if c.value == kind and (c.family, c.key) not in seen), None)
+        if case is not None:
+            seen.add((case.family, case.key))
+            pinned.append(case)
+    for case in ordered:
         if len(pinned) >= size:
             break
         if (case.family, case.key) not in seen:

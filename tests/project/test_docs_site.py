@@ -157,6 +157,10 @@ def test_every_documented_command_parses(tmp_path, monkeypatch):
             try:
                 if module == "fedfdp.fit":
                     fit.parse(args)
+                elif module == "fedfdp.audit":  # fit's options and the canary callback
+                    from fedfdp.audit import fit_arguments
+
+                    fit.parse(fit_arguments(args))
                 elif module == "fedfdp.experiments":
                     namespace = experiments_parser().parse_args(args)
                     fit_args = getattr(namespace, "fit_args", None)
