@@ -183,7 +183,9 @@ def main() -> None:
         failed: dict[str, str] = {}
         for name in peers:
             try:
-                from benchmarks.peers.envs import peer_python
+                # by path: a package of the environment ships a top-level ``benchmarks`` that shadows this folder
+                sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+                from envs import peer_python
 
                 sides[name] = (str(peer_python(name)), REPO / "benchmarks" / "peers" / PEERS[name][1], [])
             except Exception as err:  # a peer that cannot be installed here is reported, not hidden

@@ -14,7 +14,7 @@ from fedfdp.lazy import LazyRegistry
 
 if TYPE_CHECKING:
     from callbacks.accounting import RDPAccounting
-    from callbacks.audit import CanaryClientAudit
+    from callbacks.audit import CanaryAudit
     from callbacks.base import FederationCallback
     from callbacks.cluster_metrics import ClusterMetrics
     from callbacks.global_loss import GlobalLossReporting, NoisyGlobalLossReporting
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 #: Public name → the module that defines it.
 REGISTRY: dict[str, str] = {
     "RDPAccounting": "callbacks.accounting",
-    "CanaryClientAudit": "callbacks.audit",
+    "CanaryAudit": "callbacks.audit",
     "FederationCallback": "callbacks.base",
     "ClusterMetrics": "callbacks.cluster_metrics",
     "GlobalLossReporting": "callbacks.global_loss",
@@ -43,7 +43,7 @@ REGISTRY: dict[str, str] = {
     "RunSummary": "callbacks.summary",
 }
 
-__all__ = ["CanaryClientAudit", "ClientTableLogger", "ClusterMetrics", "FederationCallback", "GlobalLossReporting", "GracefulInterrupt", "LossReporting",
+__all__ = ["CanaryAudit", "ClientTableLogger", "ClusterMetrics", "FederationCallback", "GlobalLossReporting", "GracefulInterrupt", "LossReporting",
            "MembershipInferenceAudit", "NoisyGlobalLossReporting", "NoisyLossReporting", "RDPAccounting",
            "RoundProgressBar", "RunSummary", "SourceInferenceAudit"]
 

@@ -1,4 +1,16 @@
-"""An empirical ε beside the claimed one: canary clients audited in the run itself (client-level DP).
+"""An empirical ε beside the claimed one: canaries audited in the run itself (record or client level).
+
+**Record level** (``SampleLevelDP``): ``m`` gradient-space canaries in one client's data (Steinke
+et al. 2023, §6), each included with probability ½: a canary is a record whose clipped gradient is
+``C e_j`` (a coordinate of its own); at each of that client's private steps an included canary joins
+the Poisson sample with the step's rate q and its gradient is added to the clipped sum before the
+mechanism's noise (:class:`fedfdp.privacy.sample_level.RecordCanaries`, the model release of
+:meth:`fedfdp.client.ClientModule.apply_private_sum`). White-box, the server reads each of the
+client's uploads: ``x = (w_t − w_k)[j] · n / η`` is the noisy sum's coordinate for one local step
+(``n`` the expected batch size), scored with the log-likelihood ratio below at ``a = C`` and
+``σ_t = σ C``; black-box, ``−(w_T − w_0)[j]``. The claimed ε is that client's.
+
+**Client level** (``ClientLevelDP``):
 
 ``m`` canary clients join the population, each independently with probability ½ (the audit's
 secret bits). An included canary is a client like any other for the mechanism: each round it is
@@ -42,6 +54,8 @@ from callbacks.base import FederationCallback
 from fedfdp.auditing import one_run_bound
 from fedfdp.client import trainable
 from fedfdp.errors import ConfigError, require
+from fedfdp.privacy.release import batch_denominator
+from fedfdp.privacy.sample_level import RecordCanaries, SampleLevelDP
 from fedfdp.seeding import numpy_generator
 from fedfdp.types import ClientUpdate
 
@@ -51,31 +65,37 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CanaryClientAudit"]
+__all__ = ["CanaryAudit"]
 
 WHITE_BOX = "white-box: every round's aggregate seen"
 BLACK_BOX = "black-box: the final model only"
 
 
-class CanaryClientAudit(FederationCallback):
-    """Canary clients in a client-level DP run, and the empirical lower bound on ε they give.
+class CanaryAudit(FederationCallback):
+    """Canaries in a run, and the empirical lower bound on ε they give (module docstring).
 
     Args:
-        canaries: m, the canary clients (at most the model's trainable parameters; each gets a
-            coordinate of its own).
+        canaries: m, the canaries (records of one client, or clients: at most the model's trainable
+            parameters; each gets a coordinate of its own).
         confidence: confidence of the lower bound (0.95: 95 %).
         seed: seed of the canaries' coordinates, their inclusion bits and their sampling.
-        canary_scale: a canary's update is ``canary_scale · C_t e_j`` (1: exactly the clip bound; above
-            1 the mechanism must clip it back to ``C_t``, which the audit then checks too).
+        canary_scale: a canary client's update is ``canary_scale · C_t e_j`` (1: exactly the clip
+            bound; above 1 the mechanism must clip it back to ``C_t``, which the audit then checks
+            too). Client level only: a record canary is ``C e_j``.
+        client: the client whose data holds the record canaries (record level).
     """
 
     supports_distributed = False
 
-    def __init__(self, canaries: int = 1000, confidence: float = 0.95, seed: int = 0, canary_scale: float = 1.0) -> None:
-        require(canaries >= 2, f"CanaryClientAudit.canaries must be >= 2, got {canaries}")
-        require(canary_scale >= 1, f"CanaryClientAudit.canary_scale must be >= 1, got {canary_scale}")
-        self.canary_scale = canary_scale
-        require(0.5 <= confidence < 1, f"CanaryClientAudit.confidence must be in [0.5, 1), got {confidence}")
+    def __init__(self, canaries: int = 1000, confidence: float = 0.95, seed: int = 0, canary_scale: float = 1.0,
+                 client: int = 0) -> None:
+        require(canaries >= 2, f"CanaryAudit.canaries must be >= 2, got {canaries}")
+        require(canary_scale >= 1, f"CanaryAudit.canary_scale must be >= 1, got {canary_scale}")
+        require(client >= 0, f"CanaryAudit.client must be >= 0, got {client}")
+        self.canary_scale, self.client = canary_scale, client
+        self.unit = "client"
+        self._record: Any = None  # the record-level mechanism audited
+        require(0.5 <= confidence < 1, f"CanaryAudit.confidence must be in [0.5, 1), got {confidence}")
         self.canaries, self.confidence, self.seed = canaries, confidence, seed
         self.coordinates = np.zeros(0, dtype=np.int64)
         self.included = np.zeros(0, dtype=bool)
@@ -88,27 +108,60 @@ class CanaryClientAudit(FederationCallback):
     def setup_federation(self, trainer: Trainer, federation: Federation) -> None:  # type: ignore[override]
         """Draw the canaries' coordinates and inclusion bits; refuse a run this audit cannot score."""
         mechanism = federation.privacy_mechanism
-        if mechanism is None or not mechanism.releases_aggregate:
-            raise ConfigError("callbacks.CanaryClientAudit audits a client-level mechanism (algorithm.privacy: "
-                              "fedfdp.privacy.ClientLevelDP); this run's releases are its clients' own")
+        record = getattr(federation.algorithm, "record_mechanism", None)
         if federation.accountant is None:
-            raise ConfigError("callbacks.CanaryClientAudit needs callbacks.RDPAccounting: the claimed epsilon "
-                              "it is compared with")
+            raise ConfigError("callbacks.CanaryAudit needs callbacks.RDPAccounting: the claimed epsilon it is "
+                              "compared with")
+        if mechanism is not None and mechanism.releases_aggregate:
+            self.unit = "client"
+        elif isinstance(record, SampleLevelDP):
+            self.unit, self._record = "record", record
+            require(self.client < federation.num_clients,
+                    f"CanaryAudit.client must be < data.num_clients={federation.num_clients}, got {self.client}")
+        else:
+            raise ConfigError(f"callbacks.CanaryAudit audits fedfdp.privacy.SampleLevelDP or ClientLevelDP given to "
+                              f"the algorithm (algorithm.privacy); {type(federation.algorithm).__name__} has neither")
         dim = sum(p.numel() for p in trainable(federation.global_model))
         if self.canaries > dim:
-            raise ConfigError(f"CanaryClientAudit.canaries must be <= {dim} (the model's trainable parameters: one "
+            raise ConfigError(f"CanaryAudit.canaries must be <= {dim} (the model's trainable parameters: one "
                               f"coordinate each), got {self.canaries}")
         rng = numpy_generator(self.seed, "audit", "canaries")
         self.coordinates = np.sort(rng.choice(dim, self.canaries, replace=False))
         self.included = rng.random(self.canaries) < 0.5
         self.white = np.zeros(self.canaries)
         self._start = self._at_coordinates(federation)
+        if self._record is not None:
+            self._record.canaries = RecordCanaries(self.client, self.coordinates, self.included, dim, self.seed)
 
     def _at_coordinates(self, federation: Federation) -> Tensor:
         flat = parameters_to_vector(trainable(federation.global_model)).detach()
         return flat[torch.as_tensor(self.coordinates, device=flat.device)].double().cpu()
 
-    # ---- each round -----------------------------------------------------------------------------
+    # ---- each round: record level ------------------------------------------------------------------
+    def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,  # type: ignore[override]
+                       client_ids: list[int]) -> None:
+        """Record level: the broadcast model at the canaries' coordinates, and this round's step size."""
+        if self._record is not None:
+            lr = float(federation.algorithm.local_lr(context))  # type: ignore[attr-defined]
+            self._round = (self._at_coordinates(federation), lr, 0.0)
+
+    def on_client_release(self, trainer: Trainer, federation: Federation,  # type: ignore[override]
+                          update: ClientUpdate) -> None:
+        """Record level: score the audited client's upload (white-box log-likelihood ratio per round)."""
+        record = self._record
+        if record is None or update.client_id != self.client or self._round is None:
+            return
+        before, lr, _ = self._round
+        moved = (before - update.params.detach()[torch.as_tensor(self.coordinates, device=update.params.device)]
+                 .double().cpu()).numpy()
+        size = int(federation.datamodule.train_sizes[self.client])
+        denominator = batch_denominator(record.normalize_by, sample_rate=record.sample_rate, dataset_size=size,
+                                        realized=record.sample_rate * size, constant=record.normalize_constant)
+        x = moved * denominator / lr  # the noisy sum's coordinate, for one local step of SGD
+        bound = record.max_grad_norm
+        self.white += _log_likelihood_ratio(x, bound, record.noise_multiplier * bound, record.sample_rate)
+
+    # ---- each round: client level ------------------------------------------------------------------
     def canary_uploads(self, trainer: Trainer, federation: Federation, round_idx: int,  # type: ignore[override]
                        global_params: Tensor) -> list[ClientUpdate]:
         """The included canaries sampled this round (each with the population's q): ``w_t + C_t e_j``."""
@@ -132,16 +185,13 @@ class CanaryClientAudit(FederationCallback):
         """Score the round's release at every canary's coordinate (white-box log-likelihood ratio)."""
         if self._round is None:
             return
+        if self._record is not None:
+            return
         before, a, sigma = self._round
         self._round = None
         x = (self._at_coordinates(federation) - before).numpy()
         q = federation.privacy_mechanism.sample_rate(federation.num_clients)  # type: ignore[union-attr]
-        if sigma == 0:  # a claimed noiseless release: any move towards the canary is its presence
-            self.white += np.where(x > a / 2, math.inf, -math.inf) if q > 0 else 0.0
-            return
-        # log(1 - q + q exp(u)), u = (a x - a²/2) / σ², written stably
-        u = (a * x - a * a / 2) / (sigma * sigma)
-        self.white += np.logaddexp(math.log1p(-q), math.log(q) + u) if q < 1 else u
+        self.white += _log_likelihood_ratio(x, a, sigma, q)
 
     # ---- at the end -----------------------------------------------------------------------------
     def audit(self, federation: Federation) -> dict[str, Any]:
@@ -149,10 +199,17 @@ class CanaryClientAudit(FederationCallback):
         accountant = federation.accountant
         assert accountant is not None and self._start is not None
         black = (self._at_coordinates(federation) - self._start).numpy()
+        if self.unit == "record":  # a record canary's gradient moves its coordinate down
+            black = -black
         white = np.nan_to_num(self.white, posinf=1e300, neginf=-1e300)
-        result: dict[str, Any] = {"unit": "client", "claimed_epsilon": accountant.epsilon(),
+        record = self.unit == "record"
+        result: dict[str, Any] = {"unit": self.unit,
+                                  "claimed_epsilon": accountant.client_epsilon(self.client) if record
+                                  else accountant.epsilon(),
                                   "delta": accountant.delta, "canaries": self.canaries,
-                                  "canaries_included": int(self.included.sum()), "canary": "Dirac update C_t e_j",
+                                  "canaries_included": int(self.included.sum()),
+                                  "canary": (f"gradient C e_j in client {self.client}'s data" if record
+                                             else "client update C_t e_j"),
                                   # the ceiling of this audit: the bound of scores that separate perfectly
                                   "max_lower_bound": one_run_bound(self.included.astype(float), self.included,
                                                                    accountant.delta, self.confidence).lower_bound}
@@ -172,9 +229,10 @@ class CanaryClientAudit(FederationCallback):
         """``audit: claimed epsilon X; empirical lower bound Y (95 % confidence, <threat model>)``."""
         assert self.result is not None
         best = self.result["white_box"]
+        what = f"record canaries in client {self.client}" if self.unit == "record" else "canary clients"
         return (f"audit: claimed epsilon {self.result['claimed_epsilon']:.4g}; empirical lower bound "
                 f"{best['lower_bound']:.4g} ({100 * self.confidence:g} % confidence, {best['threat_model']}); "
-                f"black-box {self.result['black_box']['lower_bound']:.4g}; {self.canaries} canary clients")
+                f"black-box {self.result['black_box']['lower_bound']:.4g}; {self.canaries} {what}")
 
     def summary_entries(self, federation: Any) -> dict[str, Any]:
         """``audit`` in ``summary.json`` (once computed, at the end of training)."""
@@ -190,3 +248,13 @@ class CanaryClientAudit(FederationCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.white = np.asarray(state_dict.get("white", []), dtype=np.float64)
+
+
+def _log_likelihood_ratio(x: np.ndarray, a: float, sigma: float, q: float) -> np.ndarray:
+    """``log(1 − q + q exp((a x − a²/2) / σ²))``: one observation ``x`` of ``N(a, σ²)`` with probability q,
+    else of ``N(0, σ²)`` (the optimal test of one Poisson-sampled Gaussian release), written stably;
+    a claimed σ = 0 makes any move past ``a / 2`` the canary's presence."""
+    if sigma == 0:
+        return np.where(x > a / 2, math.inf, -math.inf)
+    u = (a * x - a * a / 2) / (sigma * sigma)
+    return np.logaddexp(math.log1p(-q), math.log(q) + u) if q < 1 else u

@@ -1,8 +1,9 @@
 """Command line: ``python -m fedfdp.audit --config configs/population/fmnist_client_dp.yaml [--canaries 1000] [fit options]``.
 
-Trains the config once with canary clients (``callbacks.CanaryClientAudit``: each of ``--canaries``
-included with probability ½, clipped and noised by the run's own client-level mechanism) and ends
-with one line::
+Trains the config once with canaries (``callbacks.CanaryAudit``: each of ``--canaries`` included
+with probability ½; with ``SampleLevelDP`` gradient canaries in client ``--audit_client``'s data,
+added to its clipped sums before the mechanism's noise; with ``ClientLevelDP`` canary clients,
+clipped and noised with the cohort) and ends with one line::
 
     audit: claimed epsilon X; empirical lower bound Y (95 % confidence, white-box: every round's aggregate seen); ...
 
@@ -30,17 +31,19 @@ def _audit_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--audit_confidence", type=float, default=0.95)
     parser.add_argument("--audit_seed", type=int, default=0)
     parser.add_argument("--canary_scale", type=float, default=1.0)
+    parser.add_argument("--audit_client", type=int, default=0)
     return parser.parse_known_args(argv)
 
 
 def fit_arguments(argv: list[str]) -> list[str]:
     """The ``python -m fedfdp.fit`` arguments of an audit: the run's own, and the canary callback."""
     options, rest = _audit_options(argv)
-    return [*rest, "--trainer.callbacks+=callbacks.CanaryClientAudit",
+    return [*rest, "--trainer.callbacks+=callbacks.CanaryAudit",
             f"--trainer.callbacks.init_args.canaries={options.canaries}",
             f"--trainer.callbacks.init_args.confidence={options.audit_confidence}",
             f"--trainer.callbacks.init_args.seed={options.audit_seed}",
-            f"--trainer.callbacks.init_args.canary_scale={options.canary_scale}"]
+            f"--trainer.callbacks.init_args.canary_scale={options.canary_scale}",
+            f"--trainer.callbacks.init_args.client={options.audit_client}"]
 
 
 def main(args: list[str] | None = None) -> int:
@@ -56,7 +59,7 @@ def main(args: list[str] | None = None) -> int:
     except Exception as err:
         return report_error(err)
     status = fit_run(cli)
-    audits = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "CanaryClientAudit"]
+    audits = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "CanaryAudit"]
     if status == 0 and audits and audits[0].result is not None:
         print(audits[0].line())
     return status

@@ -381,6 +381,12 @@ class ClientModule(LightningModule):
         state (:mod:`fedfdp.privacy.mechanism`).
         """
         assert batch.generator is not None and batch.clip_rule is not None
+        if batch.canary_sum is not None:  # an audit's canaries that joined this step (before the noise)
+            offset, joined = 0, []
+            for part in clipped_sum:
+                joined.append(part + batch.canary_sum[offset:offset + part.numel()].view_as(part).to(part))
+                offset += part.numel()
+            clipped_sum = joined
         # the rate the mechanism drew this batch at, not the one declared with it (None: it did not draw it)
         noisy = gaussian_sum_release(clipped_sum, noise_multiplier=batch.noise_multiplier,
                                      sensitivity=batch.clip_rule.max_grad_norm,

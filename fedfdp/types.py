@@ -135,6 +135,10 @@ class LocalBatch:
     grad_transform: Callable[[list[Tensor], list[Tensor]], list[Tensor]] | None = None
     physical_batch_size: int | None = None
     sample_rate: float | None = None
+    canary_sum: Tensor | None = None
+    """An audit's gradient-space canaries that joined this step (flat, one entry per trainable
+    parameter; each canary ``C e_j``), added to the clipped sum before the noise
+    (:class:`fedfdp.privacy.sample_level.RecordCanaries`); None outside an audit."""
 
 
 @dataclass

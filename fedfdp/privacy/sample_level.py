@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import numpy as np
+import torch
+from torch import Tensor
+
 from fedfdp.errors import require
 from fedfdp.privacy.clipping import ClipRule, FlatClip
 from fedfdp.privacy.release import NormalizeBy, batch_denominator
 from fedfdp.privacy.sampling import poisson_sample
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.seeding import RandomSource
+from fedfdp.seeding import RandomSource, numpy_generator
 from fedfdp.types import MODEL_RELEASE, ClientData, DPEvent, LocalBatch, StepOutput
 
 PrivacyUnit = Literal["record", "client"]
@@ -59,6 +63,29 @@ class PrivacyMechanism:
         """The events the server's release of a round charges to the population (client unit); none
         for a mechanism whose releases are the clients' own."""
         return []
+
+
+class RecordCanaries:
+    """Gradient-space canaries in one client's data, for an empirical audit (Steinke et al. 2023, §6).
+
+    Canary ``k`` is a record whose clipped gradient is ``C e_{j_k}`` (a coordinate of its own, norm
+    exactly ``C``, so no clip rule changes it); it is in the client's data when ``included[k]``.
+    At each private step of that client every included canary joins the step's Poisson sample
+    with the step's rate q, drawn from the audit's own generator (the run's streams are unchanged),
+    and its gradient is added to the clipped sum before the noise (:meth:`draw`). Set on a mechanism
+    by an audit (``callbacks.CanaryAudit``), never by a config.
+    """
+
+    def __init__(self, client_id: int, coordinates: np.ndarray, included: np.ndarray, dim: int, seed: int) -> None:
+        self.client_id, self.coordinates, self.included, self.dim = client_id, coordinates, included, dim
+        self.rng = numpy_generator(seed, "audit", "record-steps")  # the audit's stream, not the run's
+
+    def draw(self, sample_rate: float, bound: float, device: torch.device) -> Tensor:
+        """The flat sum of this step's canary gradients ``Σ_k C e_{j_k}`` over the included canaries sampled."""
+        joined = self.included & (self.rng.random(len(self.included)) < sample_rate)
+        out = torch.zeros(self.dim, device=device)
+        out[torch.as_tensor(self.coordinates[joined], device=device)] = bound
+        return out
 
 
 class SampleLevelDP(PrivacyMechanism):
@@ -93,6 +120,8 @@ class SampleLevelDP(PrivacyMechanism):
         self.local_steps = local_steps
         self.normalize_by = normalize_by
         self.normalize_constant = normalize_constant
+        #: an audit's canaries (:class:`RecordCanaries`), set by ``callbacks.CanaryAudit`` only
+        self.canaries: RecordCanaries | None = None
 
     def __repr__(self) -> str:
         return (f"SampleLevelDP(sample_rate={self.sample_rate}, max_grad_norm={self.max_grad_norm}, "
@@ -128,8 +157,12 @@ class SampleLevelDP(PrivacyMechanism):
         x, y = poisson_sample(data, self.sample_rate, generator)
         denominator = batch_denominator(self.normalize_by, sample_rate=self.sample_rate, dataset_size=data.size,
                                         realized=int(y.shape[0]), constant=self.normalize_constant)
+        canaries = None
+        if self.canaries is not None and data.client_id == self.canaries.client_id:
+            canaries = self.canaries.draw(self.sample_rate, rule.max_grad_norm, y.device)
         return LocalBatch(x=x, y=y, lr=lr, clip_rule=rule, noise_multiplier=self.noise_multiplier,
-                          denominator=denominator, generator=generator, sample_rate=self.sample_rate)
+                          denominator=denominator, generator=generator, sample_rate=self.sample_rate,
+                          canary_sum=canaries)
 
     def step_statistics(self, outputs: list[StepOutput], steps: int) -> dict[str, float]:
         """The round's step diagnostics (realised batch size, clipped fraction, loss, factor quantiles),

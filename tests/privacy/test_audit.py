@@ -1,4 +1,4 @@
-"""The empirical ε of a run (``python -m fedfdp.audit``, ``callbacks.CanaryClientAudit``): tests that can fail.
+"""The empirical ε of a run (``python -m fedfdp.audit``, ``callbacks.CanaryAudit``): tests that can fail.
 
 (a) a correct mechanism's lower bound stays at or below its claimed ε, on several seeds; (b) a noise
 draw ten times smaller than the σ the mechanism records, a noise draw of zero with σ still recorded,
@@ -107,3 +107,50 @@ def test_without_noise_the_bound_approaches_what_m_canaries_can_show(monkeypatch
     audit = _audit(tmp_path, "--model.algorithm.init_args.lr", "1e-5")
     assert audit["max_lower_bound"] > 4.5  # what 1,000 canaries can show at most (perfect separation)
     assert audit["white_box"]["lower_bound"] >= 0.95 * audit["max_lower_bound"]
+
+
+# ---- record level (SampleLevelDP): gradient canaries in client 0's data -------------------------------
+RECORD_CONFIG = REPO / "tests" / "configs" / "tiny_dpfedavg.yaml"
+#: 3 clients, q = 0.5, σ = 3, one local step, 10 rounds: client 0's claimed epsilon 2.61; an MLP with
+#: 2,048 hidden units (141,000 coordinates: the other records' clipped gradients are small on each)
+RECORD_SETTING = ["--model.algorithm.init_args.privacy.init_args.sample_rate", "0.5",
+                  "--model.algorithm.init_args.privacy.init_args.noise_multiplier", "3.0",
+                  "--model.client.init_args.net.init_args.hidden", "2048", "--model.num_rounds", "10",
+                  "--model.eval_every", "10", "--trainer.callbacks.init_args.target_epsilon", "null",
+                  "--canaries", "1000"]
+
+
+def _record_audit(tmp_path, *args: str) -> dict:
+    run_dir = tmp_path / "audit"
+    assert audit_main(["--config", str(RECORD_CONFIG), *RECORD_SETTING, *args, "--run_dir", str(run_dir)]) == 0
+    audit = json.loads((run_dir / "summary.json").read_text())["audit"]
+    assert audit["unit"] == "record" and audit["claimed_epsilon"] == pytest.approx(2.606, abs=0.01)
+    return audit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_record_level_a_correct_mechanism_stays_below_its_claim(seed, tmp_path):
+    audit = _record_audit(tmp_path, "--audit_seed", str(seed), "--seed_everything", str(seed))
+    assert audit["white_box"]["lower_bound"] <= audit["claimed_epsilon"]
+    assert audit["black_box"]["lower_bound"] <= audit["claimed_epsilon"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factor", [0.1, 0.0], ids=["noise-tenth", "noise-zero"])
+def test_record_level_noise_smaller_than_recorded_is_flagged(factor, monkeypatch, tmp_path):
+    """The model release's noise draw (``add_gaussian_noise`` in ``gaussian_sum_release``, the DP-SGD
+    step of ``ClientModule.apply_private_sum``) scaled down while σ = 3 is still recorded and charged."""
+    import fedfdp.privacy.release as release
+
+    real = release.add_gaussian_noise
+    monkeypatch.setattr(release, "add_gaussian_noise", lambda sums, std, generator: real(sums, std * factor, generator))
+    audit = _record_audit(tmp_path)
+    assert audit["white_box"]["lower_bound"] > audit["claimed_epsilon"]
+
+
+def test_an_audit_of_a_run_without_a_mechanism_is_one_line(tmp_path, capsys):
+    code = audit_main(["--config", str(REPO / "configs" / "fmnist_fedavg.yaml"), "--model.num_rounds", "1",
+                       "--run_dir", str(tmp_path / "plain")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and "CanaryAudit" in err[-1]
