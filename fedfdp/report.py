@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.cli.errors import OneLineErrorParser
 from fedfdp.participation import coverage_note, has_missing_clients
 from fedfdp.rundir import PLOTS_DIR, SUMMARY_NAME, RunPaths, differing_settings
@@ -332,7 +332,7 @@ def _settings_section(run_dirs: list[Path], labels: list[str]) -> list[str]:
         path = RunPaths(run_dir).config
         if not path.is_file():
             return ["The runs' settings cannot be compared: " + f"{path} is missing.", ""]
-        configs.append(yaml.safe_load(path.read_text()) or {})
+        configs.append(strict_yaml.load(path.read_text()) or {})
     differing = differing_settings(configs)
     if not differing:
         return ["The runs' configs are identical (but for where each run is and how it is shown).", ""]

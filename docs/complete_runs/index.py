@@ -67,7 +67,7 @@ TABLES = {
 }
 #: a data class's dataset, read with ``Clustered`` and ``DataModule`` stripped (:func:`dataset_name`)
 DATASETS = {"FashionMNIST": "fmnist", "MNIST": "mnist", "CIFAR10": "cifar10", "Digits": "digits",
-            "HAR": "har", "SyntheticHAR": "synthetic_har"}
+            "HAR": "har", "SyntheticHAR": "synthetic_har", "FEMNIST": "femnist"}
 FINISHED = ("completed", "budget_spent")
 #: where :func:`park` keeps the unfinished runs, under this folder
 PARKED = "in_progress"

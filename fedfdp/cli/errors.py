@@ -22,6 +22,8 @@ from typing import Any, NoReturn
 
 import yaml
 
+from fedfdp import strict_yaml
+
 from fedfdp.algorithms.retired import MECHANISM_OPTIONS
 from fedfdp.errors import FedFDPError
 
@@ -65,7 +67,7 @@ def config_file_problem(path: str) -> str | None:
     except (OSError, UnicodeDecodeError) as err:
         return f"config file {path} cannot be read ({' '.join(str(err).split())}); {expected}"
     try:
-        content = yaml.safe_load(text)
+        content = strict_yaml.load(text)  # a key given twice is refused, not "the last one wins"
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

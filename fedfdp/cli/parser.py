@@ -45,12 +45,20 @@ from fedfdp.cli.loggers import WandbMode, run_loggers, start_wandb
 from fedfdp.cli.rundir_guard import RunDirGuard
 from fedfdp.cli.values import check_numbers
 from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_OPTIONS, check_trainer_options
+from fedfdp import strict_yaml
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
 from fedfdp.privacy.accountant import find_accountant
 from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunPaths, check_resume, run_files,
                            with_saved_config)
 from fedfdp.runlock import RunLock
+
+# jsonargparse reads configs and YAML values with its default loader, which keeps the last value of a
+# key given twice; fedfdp's refuses it (fedfdp.strict_yaml). jsonargparse offers no public hook for the
+# loader class, so its cached default is replaced (checked by tests/cli/test_bad_input.py).
+from jsonargparse import _loaders_dumpers  # noqa: E402
+
+_loaders_dumpers.yaml_default_loader = strict_yaml.strict(_loaders_dumpers.get_yaml_default_loader())
 
 __all__ = ["LEDGER_NAME", "ConfigToLoggers", "FedFDPCLI", "build_cli"]
 
@@ -176,7 +184,7 @@ class FedFDPCLI(LightningCLI):
         """
         path = run_dir / CONFIG_NAME
         try:
-            raw = upgrade_config(yaml.safe_load(path.read_text()) or {})  # a run saved before privacy= reads as today's
+            raw = upgrade_config(strict_yaml.load(path.read_text()) or {})  # a run saved before privacy= reads as today's
         except (OSError, yaml.YAMLError) as err:
             raise ConfigError(f"cannot read {path} to check the resume: {one_line(str(err))}") from err
         known = set(self._dump(self.config))

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.errors import ConfigError
 from fedfdp.metrics import fairness_summary
 
@@ -37,7 +37,7 @@ def datamodule_from_config(path: str | Path, *, labels_only: bool = False) -> Fe
     ``features`` (a fixed front end on the images, e.g. ScatterNet): the split and the labels do not
     depend on it, and a label-only baseline (:func:`majority_label_baseline`) need not extract it.
     """
-    config = yaml.safe_load(Path(path).read_text()) or {}
+    config = strict_yaml.load(Path(path).read_text()) or {}
     data = config.get("data")
     if not isinstance(data, dict) or "class_path" not in data:
         raise ConfigError(f"{path} has no data section with a class_path")

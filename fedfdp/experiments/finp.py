@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output
 from fedfdp.experiments.identity import distinct_rows
 from fedfdp.experiments.results import finished_summary
@@ -59,7 +59,7 @@ class Dataset:
     def label_values(self) -> dict[str, str]:
         """β of the FinP and DP configs, σ of the DP config: the values the row labels show."""
         def init_args(path: str | None) -> dict[str, Any]:
-            return yaml.safe_load(Path(path).read_text())["model"]["algorithm"]["init_args"] if path else {}
+            return strict_yaml.load(Path(path).read_text())["model"]["algorithm"]["init_args"] if path else {}
 
         def sigma(args: dict[str, Any]) -> str:
             mechanism = (args.get("privacy") or {}).get("init_args") or {}

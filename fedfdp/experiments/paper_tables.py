@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import (
     ended_with_missing_clients, finished_summary, format_mean_std, group_rows, is_finished, mean_std, read_summary,
@@ -163,7 +163,7 @@ class Run:
             overrides = dict(self.column.overrides)
             if rounds is not None:
                 overrides["model.num_rounds"] = rounds
-            return apply_overrides(yaml.safe_load(self.config.read_text()), overrides)
+            return apply_overrides(strict_yaml.load(self.config.read_text()), overrides)
 
         return RunSpec(run_dir=self.run_dir, config=self.run_dir / "input_config.yaml", seed=self.seed,
                        args=("--trainer.enable_progress_bar", "false", "--wandb", "disabled", *extra),

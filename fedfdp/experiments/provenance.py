@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.algorithms.retired import upgrade_config
 
 from fedfdp.experiments.search_space import apply_overrides
@@ -45,7 +46,7 @@ class PlannedRun(Protocol):
 def _value(text: str) -> Any:
     """One command-line value as jsonargparse reads it: YAML (true, null, 0.1, [1, 2]), and floats
     in exponent spelling (``1e-3``, a string to YAML 1.1)."""
-    value = yaml.safe_load(text)
+    value = strict_yaml.load(text)
     if isinstance(value, str):
         try:
             return float(value)
@@ -99,7 +100,7 @@ def _class_path_keys(config: dict[str, Any], overrides: dict[str, Any]) -> dict[
 
 def trained_config(spec: PlannedRun) -> dict[str, Any]:
     """The config ``spec`` trains: its YAML (``make_config``'s when it has one), its seed, its overrides."""
-    base = spec.make_config() if spec.make_config is not None else yaml.safe_load(spec.config.read_text())
+    base = spec.make_config() if spec.make_config is not None else strict_yaml.load(spec.config.read_text())
     config = apply_overrides(dict(base), {} if spec.seed is None else {"seed_everything": spec.seed})
     return apply_overrides(config, _class_path_keys(config, parse_overrides(spec.args)))
 
@@ -163,7 +164,7 @@ def saved_config_differences(spec: PlannedRun) -> list[str]:
     if not saved_file.is_file():
         return []
     try:
-        saved = yaml.safe_load(saved_file.read_text())
+        saved = strict_yaml.load(saved_file.read_text())
     except (OSError, yaml.YAMLError) as err:
         return [f"{CONFIG_NAME}: cannot be read ({' '.join(str(err).split())[:120]})"]
     if not isinstance(saved, dict):

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.errors import ConfigError
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output
 from fedfdp.experiments.results import finished_summary, format_mean_std, group_rows
@@ -114,7 +114,7 @@ def is_private(config: dict[str, Any]) -> bool:
 def make_config(base: Path, *, seed: int, epsilon: float | None, rounds: int | None) -> dict[str, Any]:
     """The base config with the seed, rounds and target ε set (and DP-FedAvg's one-stage z); a
     non-private config (:func:`is_private`) gets only the seed and rounds (``epsilon`` None)."""
-    config = yaml.safe_load(base.read_text())
+    config = strict_yaml.load(base.read_text())
     config["seed_everything"] = seed
     if rounds is not None:
         config["model"]["num_rounds"] = rounds
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             message(f"error: rcdpfl-table: no config {base} (--dataset {args.dataset}, --methods {method}; "
                     f"methods: {' '.join(LABELS)})")
             return 2
-    private = {m: is_private(yaml.safe_load(base.read_text())) for m, base in bases.items() if m != MAJORITY}
+    private = {m: is_private(strict_yaml.load(base.read_text())) for m, base in bases.items() if m != MAJORITY}
     jobs = [(f"{args.dataset}_{m}_eps{eps:g}_s{seed}", m, eps, seed)
             for eps in args.epsilons for m in methods if private.get(m) for seed in args.seeds]
     jobs += [(f"{args.dataset}_{m}_s{seed}", m, None, seed)

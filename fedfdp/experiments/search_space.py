@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from fedfdp import strict_yaml
+
 VAL_KEY = "data.init_args.val_fraction"
 
 
@@ -111,7 +113,7 @@ def load_space(path: str | None) -> dict[str, Any]:
         space = copy.deepcopy(DEFAULT_SPACE)
     else:
         try:
-            space = yaml.safe_load(Path(path).read_text())
+            space = strict_yaml.load(Path(path).read_text())
         except (OSError, UnicodeDecodeError) as err:
             raise TuneError(f"--space {path} cannot be read ({' '.join(str(err).split())})") from err
         except yaml.YAMLError as err:

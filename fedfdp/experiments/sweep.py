@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments.results import is_finished, read_summary
 from fedfdp.rundir import RunPaths
@@ -50,7 +51,7 @@ def grid_points(path: str | None) -> list[dict[str, Any]]:
     if path is None:
         return [{}]
     try:
-        grid = yaml.safe_load(Path(path).read_text())
+        grid = strict_yaml.load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ValueError(f"--grid {path}: cannot read it ({str(err).splitlines()[0]})") from err
     if isinstance(grid, dict) and grid and all(isinstance(k, str) for k in grid):

@@ -100,6 +100,7 @@ from typing import Any
 
 import yaml
 
+from fedfdp import strict_yaml
 from fedfdp.cli.errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments import stop_signals
@@ -193,7 +194,7 @@ def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
                                 sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(existing),
                                                  taken=existing))
     if not existing and settings.sampler == "tpe":
-        base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
+        base = baseline_params(strict_yaml.load(settings.config.read_text()), settings.space)
         if base:
             study.enqueue_trial(base)
     for k in range(todo):
@@ -238,7 +239,7 @@ def write_best(settings: Settings, study: Any) -> dict[str, Any] | None:
         return None
     best = study.best_trial
     overrides = dict(best.user_attrs["overrides"])
-    config = yaml.safe_load(settings.config.read_text())
+    config = strict_yaml.load(settings.config.read_text())
     config = apply_overrides(config, {**overrides, VAL_KEY: settings.val_fraction})
     path = settings.study_dir / "best.yaml"
     header = (f"# Chosen by `python -m fedfdp.experiments tune` (study {settings.study_name!r}, trial {best.number} of "
@@ -291,7 +292,7 @@ def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int =
     (settings.study_dir / "search_space.yaml").write_text(
         (DEFAULT_SPACE_YAML if settings.space == DEFAULT_SPACE else yaml.safe_dump(settings.space, sort_keys=False)))
     if not study.trials and settings.sampler == "tpe":
-        base = baseline_params(yaml.safe_load(settings.config.read_text()), settings.space)
+        base = baseline_params(strict_yaml.load(settings.config.read_text()), settings.space)
         if base:
             study.enqueue_trial(base, user_attrs={"baseline": True})
     if settings.sampler == "grid" and n_trials > grid_size(settings.space):
