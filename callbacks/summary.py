@@ -34,8 +34,14 @@ def peak_memory_mb() -> float:
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     """Write JSON through a temporary file and ``os.replace`` so a crash never leaves half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:  # a full disk, a read-only folder: leave the last complete file, no half-written one
+        tmp.unlink(missing_ok=True)
+        if err.filename is None:
+            err.filename = str(tmp)
+        raise
 
 
 #: ``summary.json``'s ``status``: how the run stands or ended. ``completed_with_missing_clients`` and
@@ -293,7 +299,10 @@ class RunSummary(FederationCallback):
             status = "interrupted"
         else:
             status = "failed"
-        self.write(trainer, pl_module, status)  # type: ignore[arg-type]
+        try:
+            self.write(trainer, pl_module, status)  # type: ignore[arg-type]
+        except OSError as err:  # the disk that stopped the run may refuse this write too: the error is reported
+            logger.warning("summary.json could not be updated to status %s: %s", status, err)
 
     def state_dict(self) -> dict[str, Any]:
         """Best accuracy, evaluation history, wall and round times (so a resumed run's summary is complete)."""

@@ -25,6 +25,7 @@ from callbacks.interrupt import exit_status
 from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.errors import (
     config_file_problem, config_paths, explain_parse_error, fedfdp_cause, lightning_config_error, one_line,
+    write_failure,
 )
 from fedfdp.cli.log_setup import configure_logging
 from fedfdp.cli.loggers import finish_wandb
@@ -100,7 +101,7 @@ def report_error(err: Exception, prefix: str = "", config: dict[str, Any] | None
     if type(err).__name__ == "ArgumentError":
         print(f"{prefix}error: {explain_parse_error(str(err))}", file=sys.stderr)
         return 2
-    line = lightning_config_error(err) or construction_error(err, config)
+    line = lightning_config_error(err) or construction_error(err, config) or write_failure(err)
     if line is not None:
         print(f"{prefix}error: {line}", file=sys.stderr)
         return 2

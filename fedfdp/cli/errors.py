@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import inspect
 import os
@@ -338,6 +339,23 @@ def fedfdp_cause(err: BaseException) -> FedFDPError | None:
     while current is not None and id(current) not in seen:
         if isinstance(current, FedFDPError):
             return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def write_failure(err: BaseException) -> str | None:
+    """A failed write of the run's files (a full disk, a read-only or removed folder, a quota) as one
+    line naming the file, or ``None``: the :class:`OSError` along ``err``'s cause/context chain."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            where = f"{current.filename}: " if current.filename else ""
+            return (f"{where}{current.strerror or current} (errno {errno.errorcode.get(current.errno, current.errno)}): "
+                    f"the run stopped, no file left half-written, and every release that left a client is in its "
+                    f"privacy ledger; free space or fix the folder's permissions, then resume with --ckpt_path last "
+                    f"(or start again where no checkpoint was written)")
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None

@@ -54,10 +54,14 @@ class RunDirGuard(Callback):
         self._release(trainer)
 
     def _release(self, trainer: Trainer) -> None:
-        for lg in trainer.loggers:
-            lg.save()
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            for lg in trainer.loggers:
+                lg.save()
+        except OSError as err:  # a full disk: the metrics stay as last saved, the lock goes all the same
+            logger.warning("the loggers could not save (%s)", err)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def kept_files(run_dir: Path) -> str:

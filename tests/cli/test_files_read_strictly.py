@@ -77,3 +77,38 @@ def test_a_search_space_with_a_key_given_twice_is_one_line(tmp_path):
                      "model.algorithm.init_args.lr: {type: float, low: 0.2, high: 2.0}\n")
     with pytest.raises(TuneError, match=r"the key 'model.algorithm.init_args.lr' is given twice \(lines 1 and 2\)"):
         load_space(str(space))
+
+
+# ---- a write that fails: a full disk, a read-only folder, a quota ------------------------------------
+@pytest.mark.parametrize("code", ["ENOSPC", "EROFS", "EACCES", "EDQUOT"])
+@pytest.mark.parametrize("writer", ["summary", "ledger"])
+def test_a_failed_write_is_one_line_naming_the_file_and_leaves_no_half_file(writer, code, tmp_path, monkeypatch,
+                                                                           capsys):
+    import errno
+    import pathlib
+
+    import fedfdp.privacy.ledger_file as ledger_file
+
+    number = getattr(errno, code)
+    if writer == "summary":  # the atomic summary's temporary file
+        real = pathlib.Path.write_text
+
+        def write_text(self, *args, **kwargs):
+            if self.name.endswith(".tmp"):
+                real(self, "", encoding="utf-8")  # a write that fails part of the way
+                raise OSError(number, os.strerror(number), str(self))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    else:  # the privacy ledger's fsync, before a round's uploads leave
+        def fsync(fd):
+            raise OSError(number, os.strerror(number))
+
+        monkeypatch.setattr(ledger_file.os, "fsync", fsync)
+    run_dir = tmp_path / "run"
+    assert fit_main(["--config", str(TINY), "--model.num_rounds", "2", "--run_dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and f"errno {code}" in err[-1] and "--ckpt_path last" in err[-1], err[-3:]
+    if writer == "summary":
+        assert "summary.json.tmp" in err[-1]
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "run.lock").exists()
