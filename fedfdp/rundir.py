@@ -17,6 +17,7 @@ Only the standard library, PyYAML and :mod:`fedfdp.errors` are imported here (no
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfdp.errors import ConfigError
+from fedfdp import strict_yaml
+from fedfdp.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -291,3 +293,59 @@ def with_saved_config(argv: Sequence[str]) -> list[str]:
                           f"(or the --run_dir of an earlier run)")
     logger.info("resuming %s with its saved configuration %s", run_dir, saved)
     return ["--config", str(saved), *argv]
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Refuse a resume whose run directory holds a file of the run in a state the run cannot use, before
+    anything is written: a folder (or anything but a file) where the run keeps a file, or a
+    ``config.yaml``, ``metrics.csv``, ``summary.json`` or ``hparams.yaml`` that cannot be read whole
+    (the run would build its results on a half-read file, or fail after training its rounds).
+    The privacy ledger and the checkpoint are checked by their own readers, also before any write.
+
+    Raises:
+        DataError: one line naming the file and what to do.
+    """
+    paths = RunPaths(run_dir)
+    kept = [paths.config, paths.metrics, paths.summary, paths.report, paths.log, run_dir / HPARAMS_NAME,
+            paths.last_checkpoint, *paths.ledger_files()]
+    fix = "restore it from a copy, or remove it (the run then keeps no such record), or choose another --run_dir"
+    for path in kept:
+        if path.exists() and not path.is_file():
+            raise DataError(f"run_dir {run_dir}: {path.relative_to(run_dir)} is a folder (or not a file) where the "
+                            f"run keeps a file; {fix}")
+    readers = {paths.config: _read_mapping, paths.metrics: _read_metrics, paths.summary: _read_json_object,
+               run_dir / HPARAMS_NAME: _read_yaml}
+    for path, read in readers.items():
+        if path.is_file():
+            try:
+                read(path)
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, strict_yaml.YAMLError) as err:
+                raise DataError(f"run_dir {run_dir}: {path.name} cannot be read ({' '.join(str(err).split())[:200]}); "
+                                f"{fix}") from err
+
+
+def _read_mapping(path: Path) -> None:
+    if not isinstance(strict_yaml.load(path.read_text(encoding="utf-8")), dict):
+        raise ValueError("not a YAML mapping")
+
+
+def _read_yaml(path: Path) -> None:
+    strict_yaml.load(path.read_text(encoding="utf-8"))
+
+
+def _read_json_object(path: Path) -> None:
+    if not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+        raise ValueError("not a JSON object")
+
+
+def _read_metrics(path: Path) -> None:
+    """``metrics.csv`` as the run's logger reads it: a header with ``step``, every row's step a number."""
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or "step" not in reader.fieldnames:
+            raise ValueError("no header with a 'step' column")
+        for number, row in enumerate(reader, start=2):
+            if None in row or any(v is None for v in row.values()):
+                raise ValueError(f"line {number} does not have the header's columns")
+            if row.get("step") not in ("", None):
+                float(row["step"])

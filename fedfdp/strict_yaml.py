@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+from yaml import YAMLError
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode
 
-__all__ = ["DuplicateKeyError", "StrictSafeLoader", "load", "strict"]
+__all__ = ["DuplicateKeyError", "StrictSafeLoader", "YAMLError", "load", "strict"]
 
 
 class DuplicateKeyError(ConstructorError):

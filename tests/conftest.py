@@ -41,11 +41,12 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--flower-all-algorithms"):
         skips.append(("flower_all", pytest.mark.skip(reason="every algorithm over real processes: "
                                                             "pytest --flower-all-algorithms -m flower")))
-    if "input_fuzz" not in (config.getoption("-m") or ""):
-        fuzz = [item for item in items if "input_fuzz" in item.keywords]
-        if fuzz:
-            config.hook.pytest_deselected(items=fuzz)
-            items[:] = [item for item in items if "input_fuzz" not in item.keywords]
+    for marker in ("input_fuzz", "file_fuzz"):
+        if marker not in (config.getoption("-m") or ""):
+            fuzz = [item for item in items if marker in item.keywords]
+            if fuzz:
+                config.hook.pytest_deselected(items=fuzz)
+                items[:] = [item for item in items if marker not in item.keywords]
     for item in items:
         for keyword, skip in skips:
             if keyword in item.keywords:

@@ -39,7 +39,7 @@ from datamodules.federated import FederatedDataModule
 from fedfdp.algorithms.retired import upgrade_config
 from fedfdp.cli.build_errors import construction_error
 from fedfdp.cli.checkpoint import check_checkpoint
-from fedfdp.cli.errors import explain_parse_error, fedfdp_cause, one_line
+from fedfdp.cli.errors import config_file_problem, config_paths, explain_parse_error, fedfdp_cause, one_line
 from fedfdp.cli.log_setup import is_launched_process
 from fedfdp.cli.loggers import WandbMode, run_loggers, start_wandb
 from fedfdp.cli.rundir_guard import RunDirGuard
@@ -49,8 +49,8 @@ from fedfdp import strict_yaml
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
 from fedfdp.privacy.accountant import find_accountant
-from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunPaths, check_resume, run_files,
-                           with_saved_config)
+from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunPaths, check_resume, check_run_files,
+                           run_files, with_saved_config)
 from fedfdp.runlock import RunLock
 
 # jsonargparse reads configs and YAML values with its default loader, which keeps the last value of a
@@ -185,7 +185,7 @@ class FedFDPCLI(LightningCLI):
         path = run_dir / CONFIG_NAME
         try:
             raw = upgrade_config(strict_yaml.load(path.read_text()) or {})  # a run saved before privacy= reads as today's
-        except (OSError, yaml.YAMLError) as err:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"cannot read {path} to check the resume: {one_line(str(err))}") from err
         known = set(self._dump(self.config))
         error: Exception | None = None
@@ -220,6 +220,7 @@ class FedFDPCLI(LightningCLI):
                 raise ConfigError(f"run_dir {run_dir} already holds a run's results ({', '.join(found)}); "
                                   f"choose another --run_dir or resume it with --ckpt_path last")
         elif (run_dir / CONFIG_NAME).is_file():
+            check_run_files(run_dir)  # before the saved config is read, and before anything is written
             check_resume(run_dir, self._saved_config(run_dir), self._dump(self.config))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -305,7 +306,12 @@ def build_cli(args: list[str] | None = None, *, model_class: type[Federation] = 
     its server (``model_class``: :class:`fedfdp.flower.strategy.FlowerFederation`) and its
     nodes (``cli_class``: no run directory) from the same config.
     """
-    args = with_saved_config(sys.argv[1:] if args is None else args)
+    given = list(sys.argv[1:] if args is None else args)
+    args = with_saved_config(given)
+    if len(args) > len(given):  # the run's saved config.yaml, read before jsonargparse reads it
+        problem = next((p for p in map(config_file_problem, config_paths(args[:len(args) - len(given)])) if p), None)
+        if problem is not None:
+            raise ConfigError(f"{problem} (the run's saved configuration: restore it, or resume with --config)")
     if any(arg in ("-h", "--help") or arg.split("=")[0].endswith(".help") for arg in args):
         algorithms.load_all()  # --help lists every algorithm and callback (jsonargparse lists the imported subclasses)
         callbacks.load_all()
