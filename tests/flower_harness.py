@@ -29,7 +29,7 @@ from tests.conftest import REPO
 
 #: the tiny configs of the deployment tests (tests/configs/), each run for ROUNDS rounds
 CONFIGS = {name: REPO / "tests" / "configs" / f"tiny_{name}.yaml"
-           for name in ("dpfedavg", "fedfdp", "dpscaffold", "dpditto")}
+           for name in ("dpfedavg", "fedfdp", "dpscaffold", "dpditto", "client_dp")}
 ROUNDS = 3
 #: a run of ROUNDS rounds, evaluated once at the end (every evaluation is one more message per node)
 OVERRIDES = f"--model.num_rounds {ROUNDS} --model.eval_every 10 --wandb disabled"

@@ -94,6 +94,25 @@ def test_flower_deployment_equals_simulation(federation, name, tmp_path):
          "flower_seconds": run.seconds}))
 
 
+@pytest.mark.flower
+def test_a_client_level_deployment_equals_the_simulation(federation, tmp_path):
+    """Client-level DP over a real SuperLink and 3 SuperNodes: the server draws the Poisson cohort, asks
+    only the sampled nodes, clips, adds the noise and charges the population's ledger; 3 rounds give the
+    simulation's model and client-level ε, and no node's ledger holds a charge of the run."""
+    config = CONFIGS["client_dp"]
+    run_dir = tmp_path / "flower"
+    run = federation.run_app(f"config='{config}' overrides='{OVERRIDES}' run-dir='{run_dir}' round-timeout=300.0")
+    assert run.status == "finished:completed", run.output[-4000:]
+    sim = simulate(config, tmp_path / "sim")
+    assert max_relative_difference(global_model(sim), global_model(run_dir)) <= 1e-6
+    summary, sim_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, sim))
+    assert summary["epsilon_unit"] == "client" and summary["privacy"]["client"] == sim_summary["privacy"]["client"]
+    server = LedgerFile(run_dir / "privacy_ledger.jsonl").read()
+    assert [e.round for e in server] == list(range(ROUNDS)) and {e.client for e in server} == {-1}
+    nodes = [e for c in range(3) for e in LedgerFile(ledger_path(federation.root / "ledgers", c)).read()]
+    assert not [e for e in nodes if e.run == run.run_id]
+
+
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     """A TLS SuperLink with SuperNode authentication and 3 registered nodes (client 2 with a tight target)."""
