@@ -56,9 +56,12 @@ from fedfdp.runlock import RunLock
 # jsonargparse reads configs and YAML values with its default loader, which keeps the last value of a
 # key given twice; fedfdp's refuses it (fedfdp.strict_yaml). jsonargparse offers no public hook for the
 # loader class, so its cached default is replaced (checked by tests/cli/test_bad_input.py).
-from jsonargparse import _loaders_dumpers  # noqa: E402
+try:  # a private module of jsonargparse: where it moves, config files are still checked (config_file_problem)
+    from jsonargparse import _loaders_dumpers  # noqa: E402
 
-_loaders_dumpers.yaml_default_loader = strict_yaml.strict(_loaders_dumpers.get_yaml_default_loader())
+    _loaders_dumpers.yaml_default_loader = strict_yaml.strict(_loaders_dumpers.get_yaml_default_loader())
+except (ImportError, AttributeError):  # pragma: no cover - another jsonargparse layout
+    pass
 
 __all__ = ["LEDGER_NAME", "ConfigToLoggers", "FedFDPCLI", "build_cli"]
 
