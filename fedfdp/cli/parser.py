@@ -55,7 +55,7 @@ from fedfdp.runlock import RunLock
 
 # jsonargparse reads configs and YAML values with its default loader, which keeps the last value of a
 # key given twice; fedfdp's refuses it (fedfdp.strict_yaml). jsonargparse offers no public hook for the
-# loader class, so its cached default is replaced (checked by tests/cli/test_bad_input.py).
+# loader class, so its cached default is replaced (checked by tests/cli/test_files_read_strictly.py).
 try:  # a private module of jsonargparse: where it moves, config files are still checked (config_file_problem)
     from jsonargparse import _loaders_dumpers  # noqa: E402
 
