@@ -188,13 +188,7 @@ class FederatedDataModule(L.LightningDataModule):
             self._indices = [train_test_split_indices(p, self.train_fraction, rng) for p in parts]
         except ConfigError as exc:  # partition messages start with the argument name
             raise ConfigError(f"data.{exc}") from exc
-        self._hold_out_validation()
-        self._store = (self._grouped(x, y, [tr for tr, _ in self._indices]),
-                       self._grouped(x, y, [te for _, te in self._indices]))
-        if self._val_indices:
-            self._val_store = self._grouped(x, y, self._val_indices)
-        self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
-        self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
+        self._store_splits(x, y)
         logger.info(
             "%s: %d samples over %d clients; train sizes %s; test sizes %s%s",
             type(self).__name__,
@@ -205,6 +199,17 @@ class FederatedDataModule(L.LightningDataModule):
             f"; validation sizes {self.val_sizes.tolist()} (held out of the training splits)" if self._val_indices
             else "",
         )
+
+    def _store_splits(self, x: np.ndarray, y: np.ndarray) -> None:
+        """From ``_indices`` (each client's train and test indices into ``x``/``y``): hold the validation
+        split out, store every split once grouped by client, and set the split sizes."""
+        self._hold_out_validation()
+        self._store = (self._grouped(x, y, [tr for tr, _ in self._indices]),
+                       self._grouped(x, y, [te for _, te in self._indices]))
+        if self._val_indices:
+            self._val_store = self._grouped(x, y, self._val_indices)
+        self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
+        self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
 
     def _hold_out_validation(self) -> None:
         """Move ``val_fraction`` of every client's training indices in ``_indices`` to ``_val_indices``.

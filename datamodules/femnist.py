@@ -135,13 +135,7 @@ class FEMNISTDataModule(FederatedDataModule):
             n_train, n_test = len(train[w][1]), len(test[w][1])
             self._indices.append((np.arange(start, start + n_train), np.arange(start + n_train, start + n_train + n_test)))
             start += n_train + n_test
-        self._hold_out_validation()
-        self._store = (self._grouped(x, y, [tr for tr, _ in self._indices]),
-                       self._grouped(x, y, [te for _, te in self._indices]))
-        if self._val_indices:
-            self._val_store = self._grouped(x, y, self._val_indices)
-        self.train_sizes = np.array([len(tr) for tr, _ in self._indices], dtype=np.int64)
-        self.test_sizes = np.array([len(te) for _, te in self._indices], dtype=np.int64)
+        self._store_splits(x, y)
         logger.info("FEMNIST: %d writers from %s; %d training and %d test records", self.num_clients, root,
                     int(self.train_sizes.sum()), int(self.test_sizes.sum()))
         if self._pending_state is not None:

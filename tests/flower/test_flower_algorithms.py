@@ -58,17 +58,23 @@ def test_an_algorithm_can_refuse_deployment_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def _simulated_and_deployed(config, tmp_path):
+    """``(simulation run dir, deployment run dir)`` of ``config``: ROUNDS rounds simulated, and deployed over
+    the in-process grid with every node restarted before the last round (node ledgers in ``tmp_path/ledgers``)."""
+    sim = tmp_path / "sim"
+    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
+    settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
+                                               "run-dir": str(tmp_path / "flower")})
+    grid = InProcessGrid(grid_nodes(tmp_path / "ledgers"), restart_before={ROUNDS - 1})
+    return sim, run_server(grid, settings)  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALL_CASES))
 def test_deployed_algorithm_equals_simulation(name, tmp_path):
     """3 rounds deployed (nodes restarted before the last) = 3 rounds simulated: model, evaluation, ε."""
-    config = algorithm_config(name, tmp_path)
-    sim = tmp_path / "sim"
-    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
     ledgers = tmp_path / "ledgers"
-    settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
-                                               "run-dir": str(tmp_path / "flower")})
-    run_dir = run_server(InProcessGrid(grid_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
+    sim, run_dir = _simulated_and_deployed(algorithm_config(name, tmp_path), tmp_path)
     deployed, simulated = global_model(run_dir), global_model(sim)
     assert deployed.keys() == simulated.keys()
     for key in simulated:
@@ -113,13 +119,8 @@ def test_a_client_level_deployment_equals_the_simulation(tmp_path):
     and no node's ledger holds a client-level charge."""
     from tests.conftest import REPO
 
-    config = REPO / "tests" / "configs" / "tiny_client_dp.yaml"
-    sim = tmp_path / "sim"
-    assert fit_main(["--config", str(config), *OVERRIDES.split(), "--run_dir", str(sim)]) == 0
     ledgers = tmp_path / "ledgers"
-    settings = ServerSettings.from_run_config({"config": str(config), "overrides": OVERRIDES,
-                                               "run-dir": str(tmp_path / "flower")})
-    run_dir = run_server(InProcessGrid(grid_nodes(ledgers), restart_before={ROUNDS - 1}), settings)  # type: ignore[arg-type]
+    sim, run_dir = _simulated_and_deployed(REPO / "tests" / "configs" / "tiny_client_dp.yaml", tmp_path)
     deployed, simulated = global_model(run_dir), global_model(sim)
     for key in simulated:
         torch.testing.assert_close(deployed[key], simulated[key], rtol=1e-6, atol=1e-7, msg=key)
