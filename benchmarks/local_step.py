@@ -6,7 +6,8 @@ Usage::
                                     [--engines ghost vmap]
 
 ``fmnist`` is the FedAvgCNN on 1x28x28 inputs (582,026 parameters), ``cifar10`` the same CNN on
-3x32x32 inputs (878,538 parameters).
+3x32x32 inputs (878,538 parameters), ``resnet20`` the GroupNorm ResNet-20 of FinP's CIFAR-10 runs
+(``fedfdp.models.ResNetGN``, 272,474 parameters: 19 Conv2d, 19 GroupNorm, 1 Linear) on 3x32x32 inputs.
 
 Each configuration is timed in interleaved rounds (plain, DP, FedFDP, plain, ...) so that machine
 load affects all of them alike; the median per step is reported with the ratio to plain SGD.
@@ -27,14 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fedfdp.client import ClientModule  # noqa: E402
-from fedfdp.models import FedAvgCNN  # noqa: E402
+from fedfdp.models import FedAvgCNN, ResNetGN  # noqa: E402
 from fedfdp.privacy.clipping import FairClip, FlatClip  # noqa: E402
 from fedfdp.seeding import torch_generator  # noqa: E402
 from fedfdp.types import LocalBatch  # noqa: E402
 
 
-MODELS = {"fmnist": (1, 28), "cifar10": (3, 32)}
-"""Benchmark model name -> (input channels, image side) of the FedAvgCNN."""
+MODELS = {"fmnist": (1, 28), "cifar10": (3, 32), "resnet20": (3, 32)}
+"""Benchmark model name -> (input channels, image side)."""
+
+
+def make_net(model: str) -> torch.nn.Module:
+    """The benchmark's network ``model`` (see the module docstring)."""
+    channels, side = MODELS[model]
+    if model == "resnet20":
+        return ResNetGN(depth=20, in_channels=channels)
+    return FedAvgCNN(in_channels=channels, image_size=side)
 
 
 def make_steps(model: str, batch_size: int, engine: str, device: str) -> dict[str, callable]:
@@ -43,7 +52,7 @@ def make_steps(model: str, batch_size: int, engine: str, device: str) -> dict[st
     channels, side = MODELS[model]
     x = torch.randn(batch_size, channels, side, side, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
-    client = ClientModule(FedAvgCNN(in_channels=channels, image_size=side), per_sample=engine).to(device)
+    client = ClientModule(make_net(model), per_sample=engine).to(device)
     gen = torch_generator(0, "bench", device=device)
     sigma = 2.0
 
@@ -83,15 +92,16 @@ def bench(model: str, batch_size: int, engine: str, repeats: int, device: str) -
 
 def profile(model: str, batch_size: int, repeats: int) -> None:
     """Where a DP step's time goes, phase by phase, next to a plain step's forward + backward."""
-    from fedfdp.privacy import per_sample
+    from fedfdp.grad_sample.engine import GhostEngine
+    from fedfdp.grad_sample.registry import SamplerContext, grad_sampler_for
     from fedfdp.privacy.release import add_gaussian_noise
 
     torch.manual_seed(0)
     channels, side = MODELS[model]
     x = torch.randn(batch_size, channels, side, side)
     y = torch.randint(0, 10, (batch_size,))
-    net = FedAvgCNN(in_channels=channels, image_size=side)
-    engine = per_sample.GhostEngine(net)
+    net = make_net(model)
+    engine = GhostEngine(net)
     gen = torch_generator(0, "profile")
     captured: list = []
 
@@ -110,14 +120,17 @@ def profile(model: str, batch_size: int, repeats: int) -> None:
 
     backprops = forward_backward_outputs()
     layers = [(m, a, b) for (m, a, _), b in zip(captured, backprops)]
-    factors = [per_sample._layer_factors(m, a, b) for m, a, b in layers]
+    def layer_factors(m, a, b):
+        return grad_sampler_for(m).factors(m, a, b, SamplerContext())
+
+    factors = [layer_factors(m, a, b) for m, a, b in layers]
     weights = torch.rand(batch_size)
     sums = [g for f in factors for g in f.weighted(weights).values()]
     phases = {"plain SGD: forward + full backward": plain,
               "DP: forward + backward to layer outputs": forward_backward_outputs}
     for k, (m, a, b) in enumerate(layers):
         phases[f"DP: per-sample norms, layer {k} {type(m).__name__}"] = \
-            lambda m=m, a=a, b=b: per_sample._layer_factors(m, a, b)
+            lambda m=m, a=a, b=b: layer_factors(m, a, b)
     for k, f in enumerate(factors):
         phases[f"DP: weighted sum, layer {k}"] = lambda f=f: f.weighted(weights)
     phases["DP: Gaussian noise (all parameters)"] = lambda: add_gaussian_noise([s.clone() for s in sums], 0.2, gen)
@@ -135,7 +148,7 @@ def profile(model: str, batch_size: int, repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["fmnist", "cifar10"], choices=list(MODELS))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--engines", nargs="+", default=["ghost"], choices=["ghost", "vmap"])

@@ -6,8 +6,8 @@ Every round, right after each client's local update, the uploaded local model's 
 on *all* targets are computed in one vectorised pass and kept (one row of ``K·N`` floats; no model
 copies). At the end of the round the server attributes each target to the participating client
 whose model has the smallest loss (Eq. 5) and the fairness-in-privacy metrics are logged
-(:func:`fedfdp.privacy.sia_metrics.fairness_in_privacy`); at every evaluation the over-rounds table
-values (:func:`fedfdp.privacy.sia_metrics.summarize_rounds`) go to the metrics and ``summary.json``.
+(:func:`fedfdp.analysis.sia_metrics.fairness_in_privacy`); at every evaluation the over-rounds table
+values (:func:`fedfdp.analysis.sia_metrics.summarize_rounds`) go to the metrics and ``summary.json``.
 Per-client accuracies of every audited round are written to ``sia.json`` in the run directory.
 
 The audit is a simulation-side measurement: it reads the models the server receives anyway (the
@@ -26,7 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from callbacks.base import FederationCallback
 from fedfdp.errors import require
-from fedfdp.privacy.sia_metrics import fairness_in_privacy, sia_accuracy, summarize_rounds
+from fedfdp.analysis.sia_metrics import fairness_in_privacy, sia_accuracy, summarize_rounds
 from fedfdp.rundir import RunPaths
 from fedfdp.seeding import numpy_generator
 

@@ -35,7 +35,7 @@ from torch.nn.utils import parameters_to_vector
 from fedfdp.client_state import ClientStateStore
 from fedfdp.errors import ConfigError, require
 from fedfdp.privacy.mechanism import current_trace, stamp_model
-from fedfdp.privacy.per_sample import make_engine
+from fedfdp.grad_sample.engine import make_engine
 from fedfdp.privacy.release import gaussian_sum_release
 from fedfdp.privacy.sampling import drawn_rate
 from fedfdp.privacy.validation import replace_batchnorm as replace_batchnorm_layers

@@ -22,8 +22,8 @@ from fedfdp.client import trainable
 from fedfdp.distributed import rank_and_world
 from fedfdp.errors import DivergenceError
 from fedfdp.metrics import EvaluationResult, evaluate_clientwise, evaluate_grouped, fairness_summary
-from fedfdp.privacy.grouped import GroupedNetwork
-from fedfdp.privacy.per_sample import ghost_unsupported_reason
+from fedfdp.grad_sample.grouped import GroupedNetwork
+from fedfdp.grad_sample.engine import ghost_unsupported_reason
 
 if TYPE_CHECKING:
     from torch.optim.swa_utils import AveragedModel

@@ -130,7 +130,7 @@ def evaluate_grouped(grouped: Any, client_models: Tensor, loss_fn, x: Tensor, y:
                      logit_offsets: Tensor | None = None) -> dict[str, Tensor]:
     """:func:`evaluate_clientwise` when every client has its own model: row ``j`` is scored with
     ``client_models[client_id[j]]`` (``(num_clients, P)``), each batch in one pass of the grouped
-    network (:class:`fedfdp.privacy.grouped.GroupedNetwork`) over the clients it holds. The rows
+    network (:class:`fedfdp.grad_sample.grouped.GroupedNetwork`) over the clients it holds. The rows
     of a client must be consecutive (pooled splits are stored grouped by client)."""
     step = eval_batch_size(batch_size, x.device)
     metric = ClientwiseMetrics(num_clients).to(x.device)

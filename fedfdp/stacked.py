@@ -6,14 +6,14 @@ fine-tuning phase from each client's own model), client ``i``'s per-sample losse
 gradient norms ``‖g_j‖`` depend only on its start model and its own Poisson batch ``B_i``. The
 round's DP step then runs as one forward and one backward pass over the union
 ``B = B_1 ‖ B_2 ‖ … ‖ B_K`` (clients contiguous, client ``k`` at rows ``[o_k, o_{k+1})``; clients
-with different start models go through the grouped network, :mod:`fedfdp.privacy.grouped`):
+with different start models go through the grouped network, :mod:`fedfdp.grad_sample.grouped`):
 
 1. per client, in client order: the Poisson mask ``B_i`` is drawn from the client's own generator
    ``generator("client", t, i)`` (its first draw, as in the per-client path);
-2. one :meth:`~fedfdp.privacy.per_sample.GhostEngine.compute` on ``B`` at the start models gives every
+2. one :meth:`~fedfdp.grad_sample.engine.GhostEngine.compute` on ``B`` at the start models gives every
    ``ℓ_j`` and ``‖g_j‖``; client ``k``'s factors ``s_j = rule_k(ℓ_j, ‖g_j‖)`` come from its own
    clip rule on its slice, and its clipped sum ``S_k = Σ_{j ∈ [o_k, o_{k+1})} s_j g_j`` from
-   :meth:`~fedfdp.privacy.per_sample.PerSampleResult.segment_weighted_sums` (one weighted sum's
+   :meth:`~fedfdp.grad_sample.engine.PerSampleResult.segment_weighted_sums` (one weighted sum's
    cost for all clients);
 3. per client, in client order, exactly the second half of the per-client step
    (:meth:`fedfdp.client.ClientModule.apply_private_sum`): ``G_k = S_k + N(0, (σC)² I)`` drawn
@@ -44,19 +44,16 @@ runs: see :func:`unstackable_reason`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from fedfdp.privacy.grouped import GroupedNetwork
+from fedfdp.grad_sample.engine import PerSampleResult
+from fedfdp.grad_sample.grouped import GroupedNetwork
 from fedfdp.privacy.mechanism import MechanismTrace, resumed, tracing
-from fedfdp.privacy.per_sample import PerSampleResult
-from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
@@ -74,7 +71,7 @@ def unstackable_reason(federation: FederationView) -> str | None:
     """
     from fedfdp.client import ClientModule
     from fedfdp.distributed import rank_and_world
-    from fedfdp.privacy.per_sample import GhostEngine
+    from fedfdp.grad_sample.engine import GhostEngine
 
     client = federation.client
     client_type = type(client)

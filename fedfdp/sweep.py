@@ -8,7 +8,7 @@ thread: its own random streams, accountant, privacy ledger, checkpoints, ``metri
 them. Only the arithmetic of the private steps is shared. Every round, each run's stacked round
 (:mod:`fedfdp.stacked`) hands its clients' Poisson batches and start models to the
 :class:`SweepBatcher` instead of its own engine; once every active run has handed its round in,
-one grouped pass (:class:`fedfdp.privacy.grouped.GroupedNetwork`: each run's ``w_t``, or each
+one grouped pass (:class:`fedfdp.grad_sample.grouped.GroupedNetwork`: each run's ``w_t``, or each
 client's own model, is one group) gives every record's loss and gradient norm and every client's
 clipped sum, and each run goes on with its own clip rules, noise, divisor, step, releases and
 accounting. So a run's result is that of the same run alone, up to floating-point summation order.
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from fedfdp.privacy.grouped import GroupedNetwork
-from fedfdp.privacy.per_sample import PerSampleResult
+from fedfdp.grad_sample.grouped import GroupedNetwork
+from fedfdp.grad_sample.engine import PerSampleResult
 from fedfdp.stacked import StackedRound, unstackable_reason
 from fedfdp.types import ClientUpdate, LocalBatch, RoundContext, StackedStepSpec
 

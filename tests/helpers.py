@@ -11,7 +11,7 @@ from torch import nn
 from callbacks import FederationCallback, RDPAccounting
 from datamodules import SyntheticDataModule
 from fedfdp import ClientModule, Federation
-from fedfdp.privacy.per_sample import per_sample_cross_entropy
+from fedfdp.grad_sample.engine import per_sample_cross_entropy
 
 
 class TinyConvNet(nn.Module):

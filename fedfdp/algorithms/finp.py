@@ -30,7 +30,7 @@ from fedfdp.errors import require
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.release import gaussian_sum_release
 from fedfdp.privacy.sample_level import SampleLevelDP
-from fedfdp.privacy.sia_metrics import cov
+from fedfdp.analysis.sia_metrics import cov
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import poisson_mask, torch_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext

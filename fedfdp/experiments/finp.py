@@ -29,7 +29,7 @@ from fedfdp.experiments._common import add_dry_run, add_list_option, message, ou
 from fedfdp.experiments.identity import distinct_rows
 from fedfdp.experiments.results import finished_summary
 from fedfdp.experiments.runner import Runner, RunSpec
-from fedfdp.privacy.sia_metrics import convergence_round
+from fedfdp.analysis.sia_metrics import convergence_round
 
 
 A = "--model.algorithm.init_args."

@@ -9,7 +9,7 @@ from datamodules import SyntheticDataModule
 from datamodules.features import ScatteringFeatures
 from fedfdp.errors import ConfigError, DataError
 from fedfdp.models import ScatterCNN, ScatterLinear
-from fedfdp.privacy.per_sample import GhostEngine, ghost_unsupported_reason
+from fedfdp.grad_sample.engine import GhostEngine, ghost_unsupported_reason
 from tests.helpers import assert_matches, microbatch_grads
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from fedfdp.privacy.grouped import GroupedNetwork
-from fedfdp.privacy.per_sample import GhostEngine, per_sample_cross_entropy
+from fedfdp.grad_sample.grouped import GroupedNetwork
+from fedfdp.grad_sample.engine import GhostEngine, per_sample_cross_entropy
 
 
 def _cnn() -> nn.Module:
@@ -20,14 +20,37 @@ def _linear() -> nn.Module:
     return nn.Sequential(nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(4 * 3 * 3, 3))
 
 
+def _resnet() -> nn.Module:
+    from fedfdp.models import ResNetGN
+    return ResNetGN(depth=8, num_classes=3, in_channels=1, base_width=4, groups=2)
+
+
+class _TokenNet(nn.Module):
+    """Embedding (with a padding row) -> LayerNorm -> mean over positions -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=0)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x)).mean(1))
+
+
+def _tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, 11, (n, 5))
+
+
 def _frozen() -> nn.Module:
     net = _cnn()
     net[3].weight.requires_grad_(False)  # a frozen layer: the same in every model, not in the flat vector
     return net
 
 
-@pytest.mark.parametrize("make, shape", [(_cnn, (1, 8, 8)), (_linear, (4, 3, 3)), (_frozen, (1, 8, 8))],
-                         ids=["cnn", "scatter-linear", "frozen-layer"])
+@pytest.mark.parametrize("make, shape", [(_cnn, (1, 8, 8)), (_linear, (4, 3, 3)), (_frozen, (1, 8, 8)),
+                                         (_resnet, (1, 8, 8)), (_TokenNet, _tokens)],
+                         ids=["cnn", "scatter-linear", "frozen-layer", "groupnorm-resnet", "embedding-layernorm"])
 @pytest.mark.parametrize("sizes", [[5, 0, 7, 3], [9]], ids=["four-models", "one-model"])
 def test_grouped_pass_equals_each_model_alone(make, shape, sizes):
     torch.manual_seed(0)
@@ -35,7 +58,7 @@ def test_grouped_pass_equals_each_model_alone(make, shape, sizes):
     trainable = [p for p in net.parameters() if p.requires_grad]
     models = [parameters_to_vector(trainable).detach() + 0.3 * torch.randn(sum(p.numel() for p in trainable))
               for _ in sizes]
-    x = torch.randn(sum(sizes), *shape)
+    x = shape(sum(sizes)) if callable(shape) else torch.randn(sum(sizes), *shape)
     y = torch.randint(0, 3, (sum(sizes),))
     grouped = GroupedNetwork(net, per_sample_cross_entropy)
     result = grouped.compute(torch.stack(models), sizes, x, y)

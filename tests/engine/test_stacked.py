@@ -10,7 +10,7 @@ import torch
 
 from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
 from fedfdp import ClientModule, FedAvg, FedFDP
-from fedfdp.privacy.per_sample import GhostEngine, VmapEngine
+from fedfdp.grad_sample.engine import GhostEngine, VmapEngine
 from fedfdp.stacked import StackedRound
 from tests.helpers import TinyConvNet, flat, private, run_federation, tiny_data
 
@@ -46,6 +46,9 @@ class CountStacked:
 
 def _net(kind: str) -> torch.nn.Module | None:
     torch.manual_seed(0)
+    if kind == "resnet":  # GroupNorm layers: their grad samplers give the GN-ResNet the stacked path
+        from fedfdp.models import ResNetGN
+        return ResNetGN(depth=8, num_classes=4, in_channels=1, base_width=4, groups=2)
     return TinyConvNet() if kind == "conv" else None  # None: tests.helpers' MLP
 
 
@@ -70,7 +73,7 @@ def _assert_same_run(stacked_run, per_client_run) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+@pytest.mark.parametrize("net_kind", ["mlp", "conv", "resnet"])
 @pytest.mark.parametrize("algorithm", ["dpfedavg", "fedfdp"])
 def test_stacked_round_equals_per_client_round(monkeypatch, algorithm, net_kind):
     factory = (lambda: private(FedAvg, **DP)) if algorithm == "dpfedavg" else (lambda: private(FedFDP, **FAIR))
@@ -91,7 +94,7 @@ def _run_plain(algorithm_factory, net_kind: str, stacked: bool, rounds: int):
     return fed, uploads, accountant
 
 
-@pytest.mark.parametrize("net_kind", ["mlp", "conv"])
+@pytest.mark.parametrize("net_kind", ["mlp", "conv", "resnet"])
 @pytest.mark.parametrize("algorithm", ["local_dp", "finetune"])
 def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monkeypatch, algorithm, net_kind):
     """Local-only DP-SGD and the fine-tuning phase start every client from its own model: one pass

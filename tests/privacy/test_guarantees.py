@@ -20,7 +20,7 @@ from fedfdp.algorithms import (ALIDPFL, IFCA, QFFL, RCDPFL, ClusteredDPFL, Ditto
                                DPFedAvgFineTune, DPFedAvgPriorCorrection, FedAvg, FedDyn, FedFDP, FedFDPFairAgg,
                                FedProx, FinP, LocalOnly, Scaffold)
 from fedfdp.errors import ConfigError
-from fedfdp.privacy.per_sample import GhostEngine, VmapEngine, per_sample_cross_entropy
+from fedfdp.grad_sample.engine import GhostEngine, VmapEngine, per_sample_cross_entropy
 from fedfdp.privacy.release import clipped_loss_sum, noisy_loss_release
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.seeding import torch_generator

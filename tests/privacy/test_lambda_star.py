@@ -1,4 +1,4 @@
-"""Tests of fedfdp.privacy.lambda_star (spec §2)."""
+"""Tests of fedfdp.analysis.lambda_star (spec §2)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fedfdp.errors import ConfigError
-from fedfdp.privacy import lambda_star
-from fedfdp.privacy.lambda_star import (
+from fedfdp.analysis import lambda_star
+from fedfdp.analysis.lambda_star import (
     BoundConstants,
     bound_coefficients,
     bound_objective,

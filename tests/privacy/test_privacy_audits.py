@@ -13,7 +13,7 @@ from torch import nn
 from callbacks import MembershipInferenceAudit, SourceInferenceAudit
 from fedfdp.algorithms import FedAvg
 from fedfdp.metrics import jain_index
-from fedfdp.privacy.sia_metrics import (convergence_round, cov, eod, fairness_in_privacy, loss_cov, sia_accuracy,
+from fedfdp.analysis.sia_metrics import (convergence_round, cov, eod, fairness_in_privacy, loss_cov, sia_accuracy,
                                         sia_loss_matrix, summarize_rounds)
 from tests.helpers import run_federation
 

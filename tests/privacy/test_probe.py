@@ -22,7 +22,7 @@ from fedfdp import ClientModule
 from fedfdp.algorithms import FedAvg
 from fedfdp.errors import ConfigError
 from fedfdp.privacy.clipping import flat_clip_factors
-from fedfdp.privacy.per_sample import make_engine
+from fedfdp.grad_sample.engine import make_engine
 from fedfdp.privacy.probe import probe_model
 from tests.helpers import TinyConvNet, private, run_federation, tiny_data
 

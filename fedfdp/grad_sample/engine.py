@@ -24,6 +24,11 @@ read of the stored ``G_j``, or one convolution weight-gradient call on the outpu
 per sample: no second forward or backward pass. The backward pass asks autograd only for the
 gradients of the layer *outputs*, so the weight gradients of a normal backward are never computed.
 
+The maths of each layer type sits in its grad sampler, registered per type as Opacus registers its
+own (:mod:`fedfdp.grad_sample.registry`): Linear (:mod:`~fedfdp.grad_sample.linear`), Conv2d
+(:mod:`~fedfdp.grad_sample.conv`), GroupNorm and LayerNorm (:mod:`~fedfdp.grad_sample.norm`),
+Embedding (:mod:`~fedfdp.grad_sample.embedding`).
+
 Opacus' hook-based ``GradSampleModule`` and ``torch.func.vmap`` materialise every per-sample
 gradient (7-9x and 5x a plain SGD step here, see ``benchmarks/local_step.py``); they remain
 available as :class:`VmapEngine` for models with layers the ghost engine does not support.
@@ -41,20 +46,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from fedfdp.privacy.conv_grads import (
+from fedfdp.grad_sample import conv, embedding, linear, norm
+from fedfdp.grad_sample.registry import (
     ConvMethod,
-    Workspace,
-    fresh_workspace,
-    input_gram_sq_norms,
-    materialize_budget,
-    pad_input,
-    per_sample_weights,
+    LayerFactors,
+    SamplerContext,
+    grad_sampler_for,
+    own_trainable,
+    unsupported_reason,
 )
+
+BUILT_IN_SAMPLERS = (linear, conv, norm, embedding)
+"""The modules of the built-in grad samplers (each registers its layer types on import)."""
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """Maps (model output, targets) to per-sample losses of shape (B,)."""
-
-_GHOST_LAYERS = (nn.Linear, nn.Conv2d)
 
 
 def per_sample_cross_entropy(output: Tensor, target: Tensor) -> Tensor:
@@ -107,16 +113,17 @@ class PerSampleResult:
 
 
 class GhostEngine:
-    """Per-sample norms and weighted sums for models whose trainable layers are Linear / Conv2d.
+    """Per-sample norms and weighted sums for models whose trainable layers all have a grad sampler.
 
-    Every trainable parameter must belong to an ``nn.Linear`` or a ``groups=1`` ``nn.Conv2d`` that
-    is called exactly once per forward pass (no weight tying), and no layer may mix samples
-    (no BatchNorm). :func:`make_engine` checks this and falls back to :class:`VmapEngine`.
+    Every trainable parameter must belong to a layer with a registered grad sampler
+    (:mod:`fedfdp.grad_sample.registry`: Linear, Conv2d, GroupNorm, LayerNorm, Embedding) that is
+    called exactly once per forward pass (no weight tying), and no layer may mix samples (no
+    BatchNorm). :func:`make_engine` checks this and falls back to :class:`VmapEngine`.
     """
 
     def __init__(self, net: nn.Module, loss_fn: LossFn = per_sample_cross_entropy,
                  conv_method: ConvMethod = "auto") -> None:
-        problem = ghost_unsupported_reason(net)
+        problem = unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"GhostEngine cannot handle this model: {problem}")
         self.net = net
@@ -127,9 +134,8 @@ class GhostEngine:
         # which costs as much as computing the gradients. ``_generation`` invalidates old results.
         self._buffers: dict[int, Tensor] = {}
         self._generation = 0
-        self.layers: list[nn.Module] = [
-            m for m in net.modules() if isinstance(m, _GHOST_LAYERS) and _trainable(m)
-        ]
+        self.layers: list[nn.Module] = [m for m in net.modules() if own_trainable(m)]
+        self._samplers = [grad_sampler_for(m) for m in self.layers]
 
     def _workspace(self, layer: int) -> Callable[[tuple[int, ...], torch.dtype, torch.device], Tensor]:
         """A getter of an uninitialised tensor of the given shape backed by layer ``layer``'s buffer."""
@@ -168,8 +174,10 @@ class GhostEngine:
         backprops = torch.autograd.grad(losses.sum(), outputs)
         self._generation += 1
         generation = self._generation
-        factors = [_layer_factors(m, a, b, self.conv_method, self._workspace(k))
-                   for k, ((m, a, _), b) in enumerate(zip(captured, backprops))]
+        samplers = {id(m): s for m, s in zip(self.layers, self._samplers)}
+        factors: list[LayerFactors] = [
+            samplers[id(m)].factors(m, a, b, SamplerContext(self.conv_method, self._workspace(k)))  # type: ignore[union-attr]
+            for k, ((m, a, _), b) in enumerate(zip(captured, backprops))]
         sq_norms = torch.zeros(x.shape[0], device=x.device, dtype=losses.dtype)
         for f in factors:
             sq_norms += f.sq_norms
@@ -201,123 +209,6 @@ class GhostEngine:
             return segments
 
         return PerSampleResult(losses.detach(), sq_norms.sqrt(), weighted_sum, segment_weighted_sums)
-
-
-@dataclass
-class _LayerFactors:
-    """What one layer contributes: per-sample squared norms and a way to form ``Σ_j s_j G_j``.
-
-    Exactly one representation is kept: activations ``a`` / backprops ``b`` (B, P, d) of a Linear
-    layer, materialised per-sample weight gradients (B, d_out, d_in), or the conv input and output
-    gradient (weighted sum by one convolution weight-gradient call).
-    """
-
-    module: nn.Module
-    b: Tensor  # backprops (B, P, d_out)
-    sq_norms: Tensor
-    a: Tensor | None = None  # Linear activations (B, P, d_in)
-    per_sample_weight: Tensor | None = None  # materialised G_j (B, d_out, d_in)
-    conv_input: Tensor | None = None  # Conv2d input (B, C_in, H, W) for the weight-gradient call
-    conv_backprop: Tensor | None = None  # Conv2d output gradient (B, C_out, H', W')
-
-    def params(self) -> list[Tensor]:
-        ps = [self.module.weight]
-        if self.module.bias is not None:
-            ps.append(self.module.bias)
-        return [p for p in ps if p.requires_grad]
-
-    def weighted(self, weights: Tensor, rows: slice = slice(None)) -> dict[int, Tensor]:
-        """``Σ_j weights_j G_j`` (and the bias's) over the samples ``rows`` (``weights`` has their length)."""
-        weight = self.module.weight
-        w = weights.to(self.b.dtype)
-        b = self.b[rows]
-        out: dict[int, Tensor] = {}
-        if weight.requires_grad:
-            if self.per_sample_weight is not None:
-                g = (w @ self.per_sample_weight[rows].flatten(1)).reshape(weight.shape)
-            elif self.conv_input is not None:
-                conv = self.module
-                assert isinstance(conv, nn.Conv2d) and self.conv_backprop is not None
-                # Σ_j s_j G_j is the ordinary weight gradient of the output gradient scaled per sample:
-                # one (oneDNN / cuDNN) convolution-backward call, no per-sample buffers.
-                g = torch.nn.grad.conv2d_weight(self.conv_input[rows], weight.shape,
-                                                self.conv_backprop[rows] * w[:, None, None, None],
-                                                conv.stride, conv.padding, conv.dilation, conv.groups)
-            else:
-                assert self.a is not None
-                g = torch.einsum("bpo,bpi->oi", b * w[:, None, None], self.a[rows]).reshape(weight.shape)
-            out[id(weight)] = g
-        bias = self.module.bias
-        if bias is not None and bias.requires_grad:
-            out[id(bias)] = w @ b.sum(1)
-        return out
-
-
-def _layer_factors(module: nn.Module, a: Tensor, b: Tensor, conv_method: ConvMethod = "auto",
-                   workspace: Workspace = fresh_workspace) -> _LayerFactors:
-    """Per-sample squared gradient norms of one layer from its input ``a`` and output gradient ``b``."""
-    if isinstance(module, nn.Conv2d):
-        return _conv_factors(module, a, b, conv_method, workspace)
-    batch = a.shape[0]
-    a = a.reshape(batch, -1, a.shape[-1])
-    b = b.reshape(batch, -1, b.shape[-1])
-    sq_norms = _bias_sq_norms(module, b)
-    if module.weight.requires_grad:
-        if a.shape[1] == 1:  # ‖b aᵀ‖² = ‖a‖²‖b‖² (one reduction each, no squared copy of a)
-            sq_norms = sq_norms + (torch.linalg.vector_norm(a.flatten(1), dim=1).square()
-                                   * torch.linalg.vector_norm(b.flatten(1), dim=1).square())
-        else:  # ghost norm Σ_{p,p'} (a_p·a_p')(b_p·b_p')
-            gram_a = torch.bmm(a, a.transpose(1, 2))
-            gram_b = torch.bmm(b, b.transpose(1, 2))
-            sq_norms = sq_norms + (gram_a * gram_b).sum((1, 2))
-    return _LayerFactors(module, b, sq_norms, a=a)
-
-
-def _bias_sq_norms(module: nn.Module, b: Tensor) -> Tensor:
-    """``‖Σ_p b_p‖²`` per sample when the layer has a trainable bias, else zeros; ``b`` is (B, P, d_out)."""
-    if module.bias is not None and module.bias.requires_grad:
-        return b.sum(1).square().sum(1)
-    return torch.zeros(b.shape[0], device=b.device, dtype=b.dtype)
-
-
-def _conv_factors(conv: nn.Conv2d, x: Tensor, grad_out: Tensor, method: ConvMethod,
-                  workspace: Workspace = fresh_workspace) -> _LayerFactors:
-    """Per-sample squared norms of a Conv2d's weight gradient ``G_j = Σ_p b_{jp} u_{jp}ᵀ``.
-
-    ``u_{jp}`` is the input patch (``d_in = C·k_h·k_w``) at output position ``p`` (``P`` positions
-    of the ``Q``-pixel padded input). Two exact methods, chosen by cost unless forced:
-
-    * ``materialize``: build the patches chunk by chunk and ``G_j`` by a batched matmul
-      (``P·d_in·d_out`` per sample); the weighted sum then reads the stored ``G_j``.
-    * ``input_gram``: the ghost norm ``‖G_j‖² = Σ_{p,p'} (u_p·u_p')(b_p·b_p')`` where the patch Gram
-      ``u_p·u_p' = Σ_{i,j} M[p+(i,j), p'+(i,j)]`` is a sum of shifted windows of the *input* Gram
-      ``M = XᵀX`` (``Q²·C``; separable over the two kernel axes), so patches are never built;
-      the weighted sum is one convolution weight-gradient call with the scaled output gradient.
-    """
-    batch, d_out = grad_out.shape[:2]
-    positions = grad_out.shape[2] * grad_out.shape[3]
-    b_flat = grad_out.reshape(batch, d_out, positions).transpose(1, 2)  # (B, P, d_out)
-    sq_norms = _bias_sq_norms(conv, b_flat)
-    if not conv.weight.requires_grad:
-        return _LayerFactors(conv, b_flat, sq_norms)
-    padded = pad_input(x, conv)
-    kh, kw = conv.kernel_size
-    c_in = x.shape[1]
-    d_in = c_in * kh * kw
-    pixels = padded.shape[2] * padded.shape[3]
-    if method == "auto":
-        # Both methods do the P·d_in·d_out multiply-adds once (materialize: the batched G_j;
-        # input_gram: the weight-gradient call of the weighted sum), input_gram adds the Gram terms.
-        # Materialising wins while the batch's G_j fit in cache; beyond that its writes dominate.
-        fits = batch * d_out * d_in * grad_out.element_size() <= materialize_budget(grad_out.device)
-        gram_extra = pixels * pixels * c_in + positions * positions * d_out
-        method = "materialize" if fits or gram_extra >= positions * d_in * d_out else "input_gram"
-    if method == "materialize":
-        per_sample_weight = per_sample_weights(padded, grad_out, conv, workspace)
-        sq_norms = sq_norms + torch.linalg.vector_norm(per_sample_weight.flatten(1), dim=1).square()
-        return _LayerFactors(conv, b_flat, sq_norms, per_sample_weight=per_sample_weight)
-    sq_norms = sq_norms + input_gram_sq_norms(padded, grad_out, conv)
-    return _LayerFactors(conv, b_flat, sq_norms, conv_input=x, conv_backprop=grad_out)
 
 
 class VmapEngine:
@@ -370,23 +261,9 @@ def make_engine(net: nn.Module, kind: Literal["auto", "ghost", "vmap"] = "auto",
 
 
 def ghost_unsupported_reason(net: nn.Module) -> str | None:
-    """Why :class:`GhostEngine` cannot handle ``net`` (None when it can)."""
-    for name, module in net.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return f"{name} is a BatchNorm layer (mixes samples; use GroupNorm)"
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        if not isinstance(module, _GHOST_LAYERS):
-            return f"{name} ({type(module).__name__}) has trainable parameters"
-        if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"
-                                              or isinstance(module.padding, str)):
-            return f"{name} is a grouped, non-zero-padded or string-padded Conv2d"
-    return None
-
-
-def _trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+    """Why :class:`GhostEngine` cannot handle ``net`` (None when it can); see
+    :func:`fedfdp.grad_sample.registry.unsupported_reason`."""
+    return unsupported_reason(net)
 
 
 def _empty_result(net: nn.Module, x: Tensor) -> PerSampleResult:

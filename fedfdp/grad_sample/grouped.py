@@ -4,14 +4,15 @@ A stacked round (:mod:`fedfdp.stacked`) runs the private steps of many clients a
 one backward pass over the union of their batches. When the clients start from *different*
 models (local-only training: each client its own ``v_i``; a sweep of runs: each run its own
 ``w_t``, :mod:`fedfdp.sweep`), the union is laid out group by group (rows ``[o_g, o_{g+1})``
-belong to model ``g``, ``G`` models) and run through a copy of the network whose ``Linear`` and
-``Conv2d`` layers apply model ``g``'s weights to group ``g``'s rows (:class:`GroupedLinear`,
-:class:`GroupedConv2d`). Every other layer (activations, pooling, flattening, parameter-free
+belong to model ``g``, ``G`` models) and run through a copy of the network whose layers with
+parameters apply model ``g``'s weights to group ``g``'s rows: each is swapped for the grouped twin its
+grad sampler registers (``GroupedLinear``, ``GroupedConv2d``, ``GroupedGroupNorm``, ``GroupedLayerNorm``,
+``GroupedEmbedding``). Every other layer (activations, pooling, flattening, parameter-free
 normalisation) acts on each record alone, so it is shared as it is.
 
 Per-sample gradients do not depend on which model a record went through except through its own
 activations and output gradients, which the ghost engine reads from the layers' inputs and
-outputs (:class:`fedfdp.privacy.per_sample.GhostEngine`): the grouped layers keep single-model
+outputs (:class:`fedfdp.grad_sample.engine.GhostEngine`): the grouped layers keep single-model
 *template* parameters (the shapes the engine's sums take) and the per-group weights as plain
 tensors, so the unchanged engine gives every record's ``ℓ_j`` and ``‖g_j‖`` and, for every client
 segment inside one group, ``Σ_j s_j g_j``. Written by hand: neither Opacus nor ``torch.func``
@@ -25,68 +26,26 @@ import copy
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedfdp.privacy.per_sample import GhostEngine, LossFn, PerSampleResult, ghost_unsupported_reason
+from fedfdp.grad_sample.engine import GhostEngine, LossFn, PerSampleResult
+from fedfdp.grad_sample.registry import GroupedLayer, grad_sampler_for, unsupported_reason
 
-__all__ = ["GroupedConv2d", "GroupedLinear", "GroupedNetwork"]
-
-
-class _Grouped:
-    """The per-group weights of a layer and the row counts of the groups (group-major rows)."""
-
-    group_weight: Tensor | None
-    group_bias: Tensor | None
-    sizes: list[int]
-
-    def _init_groups(self) -> None:
-        self.group_weight = None
-        self.group_bias = None
-        self.sizes = []
-
-    def _parts(self, x: Tensor) -> list[tuple[int, Tensor]]:
-        if sum(self.sizes) != x.shape[0]:
-            raise RuntimeError(f"grouped layer got {x.shape[0]} rows, its groups hold {sum(self.sizes)}")
-        return [(g, part) for g, part in enumerate(x.split(self.sizes)) if part.shape[0]]
-
-    def _bias(self, g: int) -> Tensor | None:
-        return None if self.group_bias is None else self.group_bias[g]
-
-
-class GroupedLinear(_Grouped, nn.Linear):
-    """``nn.Linear`` whose rows of group ``g`` see ``group_weight[g]``, ``group_bias[g]``."""
-
-    def forward(self, x: Tensor) -> Tensor:  # noqa: D102
-        assert self.group_weight is not None
-        parts = self._parts(x)
-        if len(parts) == 1:
-            g, part = parts[0]
-            return F.linear(part, self.group_weight[g], self._bias(g))
-        return torch.cat([F.linear(part, self.group_weight[g], self._bias(g)) for g, part in parts])
-
-
-class GroupedConv2d(_Grouped, nn.Conv2d):
-    """``nn.Conv2d`` (zero padding, ``groups=1``) whose rows of group ``g`` see group ``g``'s weights."""
-
-    def forward(self, x: Tensor) -> Tensor:  # noqa: D102
-        assert self.group_weight is not None
-        outs = [F.conv2d(part, self.group_weight[g], self._bias(g), self.stride, self.padding, self.dilation)
-                for g, part in self._parts(x)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+__all__ = ["GroupedNetwork"]
 
 
 def _grouped_copy(net: nn.Module) -> nn.Module:
-    """A deep copy of ``net`` whose Linear and Conv2d layers are their grouped versions."""
+    """A deep copy of ``net`` whose trainable layers are their grouped twins (each grad sampler's ``grouped``)."""
     net = copy.deepcopy(net)
     for name, module in net.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv2d)):
+        sampler = grad_sampler_for(module)
+        if sampler is None or not any(True for _ in module.parameters(recurse=False)):
             continue
-        base = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
-        if type(module).forward is not base.forward:
-            raise ValueError(f"a grouped pass cannot replace {name} ({type(module).__name__}): it has its own forward")
-        module.__class__ = GroupedLinear if base is nn.Linear else GroupedConv2d
-        module._init_groups()  # type: ignore[attr-defined]
+        if sampler.grouped is None:
+            raise ValueError(f"a grouped pass cannot replace {name} ({type(module).__name__}): its grad sampler "
+                             f"registers no grouped layer")
+        module.__class__ = sampler.grouped
+        module.init_groups()  # type: ignore[operator]
     return net
 
 
@@ -94,21 +53,22 @@ class GroupedNetwork:
     """``G`` models of ``net``'s architecture evaluated as one network on group-major rows.
 
     Args:
-        net: the model (its trainable parameters must all sit in Linear / Conv2d layers, as for
+        net: the model (its trainable parameters must all sit in layers with a grad sampler, as for
             :class:`GhostEngine`); copied, never changed.
         loss_fn: per-sample loss ``(output, target) -> (B,)``.
     """
 
     def __init__(self, net: nn.Module, loss_fn: LossFn) -> None:
-        problem = ghost_unsupported_reason(net)
+        problem = unsupported_reason(net)
         if problem is not None:
             raise ValueError(f"a grouped pass needs the ghost engine's layers: {problem}")
         self.net = _grouped_copy(net)
         self.engine = GhostEngine(self.net, loss_fn)
-        self._layers = [m for m in self.net.modules() if isinstance(m, _Grouped)]
+        self._layers = [m for m in self.net.modules() if isinstance(m, GroupedLayer)]
         self._trainable = [p for p in self.net.parameters() if p.requires_grad]
-        owner = {id(p): m for m in self._layers for p in (m.weight, m.bias) if p is not None}
-        self._slots: list[tuple[_Grouped, str, int, int]] = []  # (layer, "weight"/"bias", offset, numel)
+        owner = {id(p): m for m in self._layers for p in (m.weight, getattr(m, "bias", None))  # type: ignore[attr-defined]
+                 if p is not None}
+        self._slots: list[tuple[GroupedLayer, str, int, int]] = []  # (layer, "weight"/"bias", offset, numel)
         offset = 0
         for p in self._trainable:
             layer = owner[id(p)]
@@ -155,7 +115,8 @@ class GroupedNetwork:
             view = leaf[:, offset:offset + numel].view(len(sizes), *template.shape)
             setattr(layer, f"group_{name}", view)
         for layer in self._layers:  # frozen weights (and biases) are the same in every model
-            if layer.group_weight is None:
-                layer.group_weight = layer.weight.detach().expand(len(sizes), *layer.weight.shape)
-            if layer.group_bias is None and layer.bias is not None:
-                layer.group_bias = layer.bias.detach().expand(len(sizes), *layer.bias.shape)
+            weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+            if layer.group_weight is None and weight is not None:
+                layer.group_weight = weight.detach().expand(len(sizes), *weight.shape)
+            if layer.group_bias is None and bias is not None:
+                layer.group_bias = bias.detach().expand(len(sizes), *bias.shape)
