@@ -110,6 +110,13 @@ class GracefulInterrupt(Callback):
         stop = trainer.strategy.reduce_boolean_decision(self.signum is not None, all=False)
         if not stop:
             return
+        last_round = getattr(pl_module, "total_rounds", None)
+        if last_round is not None and trainer.global_step >= last_round:
+            # the signal came during the run's last round: the run ends as planned (its checkpoint, its
+            # summary) rather than as an interrupted run that a resume would find with nothing left to train
+            logger.warning("%s came during the last round (%d): the run ends as planned",
+                           signal.Signals(self.signum or signal.SIGTERM).name, trainer.global_step)
+            return
         pl_module.stop_signal = self.signum if self.signum is not None else int(signal.SIGTERM)  # type: ignore[assignment]
         path = self.checkpoint_path(trainer)
         if path is not None:

@@ -170,6 +170,25 @@ class RunSummary(FederationCallback):
         path.mkdir(parents=True, exist_ok=True)
         return RunPaths(path).summary
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """On a resume, tell the federation whether the run directory's summary says the run never ended
+        (``running``: cut by SIGKILL or a power loss; ``interrupted``): a checkpoint at the run's last round
+        then finishes the run instead of being refused (``Federation.unfinished_run``)."""
+        if trainer.ckpt_path is None:
+            return
+        try:
+            status = json.loads(RunPaths(self.dirpath or trainer.default_root_dir).summary.read_text()).get("status")
+        except (OSError, ValueError, AttributeError):
+            return
+        pl_module.unfinished_run = status in ("running", "interrupted")  # type: ignore[assignment]
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A resume that only finished a run cut after its last round writes the run's end here (no round
+        ran, so :meth:`on_train_end` was not called)."""
+        if getattr(pl_module, "finishing", False):
+            self._training = True
+            self.on_train_end(trainer, pl_module)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """On a resume, count the wall time of the earlier sessions as their last summary has it."""
         self._training = True
@@ -205,7 +224,10 @@ class RunSummary(FederationCallback):
         covered = evaluated_clients(result)
         if covered is not None and len(covered) < federation.num_clients:
             entry["evaluated_clients"] = covered
-        self.history.append(entry)
+        if self.history and self.history[-1]["round"] == result.round:  # a finishing resume evaluates it again
+            self.history[-1] = entry
+        else:
+            self.history.append(entry)
         self._last_result = result
         self.write(trainer, federation, "running")
 

@@ -239,6 +239,14 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         """
         self.algorithm.on_fit_start(self)
         self._plan_rounds()
+        if self.start_round >= self.total_rounds and self.unfinished_run:
+            # cut after its last round's checkpoint, before its end was written: evaluate the final model
+            # again (deterministic) so the run's end (summary, report) is written; nothing is trained
+            logger.warning("the checkpoint holds all %d rounds but the run was cut before its end was written: "
+                           "finishing it (final evaluation, summary), nothing is trained", self.total_rounds)
+            self.finishing = True
+            self.evaluate(self.start_round)
+            return
         if self.start_round >= self.total_rounds:
             raise PrivacyBudgetError(
                 f"the checkpoint is at round {self.start_round} and this run allows {self.total_rounds} rounds "
@@ -265,6 +273,14 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         budget asks here. A second accountant in ``trainer.callbacks`` is refused at start.
         """
         return self.node_accounting if self.node_accounting is not None else find_accountant(self.trainer.callbacks)
+
+    #: Set by the owner of the run's summary (``callbacks.RunSummary``) on a resume whose run directory says
+    #: the run never ended (``running``, ``interrupted``): a checkpoint that already holds every round then
+    #: finishes the run (final evaluation, summary) instead of being refused with nothing left to train.
+    unfinished_run: bool = False
+
+    #: True while a resume only finishes a run cut after its last round (see :attr:`unfinished_run`).
+    finishing: bool = False
 
     #: On a deployed node, the run's accounting callback, read there for its settings only (target
     #: ε, δ, orders: e.g. a clustered algorithm's noise calibration) and never run: the client's own

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--flower-all-algorithms"):
         skips.append(("flower_all", pytest.mark.skip(reason="every algorithm over real processes: "
                                                             "pytest --flower-all-algorithms -m flower")))
-    for marker in ("input_fuzz", "file_fuzz"):
+    for marker in ("input_fuzz", "file_fuzz", "process_fuzz"):
         if marker not in (config.getoption("-m") or ""):
             fuzz = [item for item in items if marker in item.keywords]
             if fuzz:
