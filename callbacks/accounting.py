@@ -1,10 +1,12 @@
 """RDP accounting of every differentially private release, per client, with a budget guard.
 
-The accountant is :class:`fedfdp.privacy.run_accountant.RunAccountant` (the
-:class:`~fedfdp.privacy.accountant.PrivacyAccountant` interface; per-client ledgers over Opacus'
-RDP or PRV accountant, the durable ledger file, round planning, the start-up checks). This module
-makes it a Lightning callback: each federation hook hands the accountant what it needs from the
-run, in the federation's phase order:
+The accountant is :class:`fedfdp.privacy.run_accountant.RunAccountant` (the narrow
+:class:`~fedfdp.privacy.accountant.PrivacyAccountant` interface over per-client ledgers and Opacus'
+RDP or PRV accountant), with its collaborators: the ledger file (``ledger``), the round planning
+and guard (``budget``) and the start-up checks (:mod:`fedfdp.privacy.start_checks`). This module
+makes it a Lightning callback that hands itself to the federation at setup
+(:meth:`provided_accountant`); each federation hook gives the accountant and its collaborators what
+they need from the run, in the federation's phase order:
 
 * ``setup_federation``: the start-up checks (δ, every release and upload field has a guarantee,
   the model and loss keep the clipped sum's sensitivity on a probe batch), then the ledgers are rebuilt from the ledger file;
@@ -25,8 +27,9 @@ from lightning.pytorch import LightningModule, Trainer
 from callbacks.base import FederationCallback
 from fedfdp.distributed import rank_and_world
 from fedfdp.privacy.probe import probe_federation_client
-from fedfdp.privacy.run_accountant import AccountingMode, RunAccountant
 from fedfdp.errors import ConfigError
+from fedfdp.privacy.run_accountant import AccountingMode, RunAccountant
+from fedfdp.privacy.start_checks import check_delta, guarantee_problem
 from fedfdp.privacy.uploads import declared_upload_privacy, describe
 
 if TYPE_CHECKING:
@@ -62,19 +65,25 @@ class RDPAccounting(RunAccountant, FederationCallback):
             reported as infinite. Off by default: such a run is refused at start.
     """
 
+    def provided_accountant(self) -> RunAccountant:
+        """This callback is the run's accountant."""
+        return self
+
     def setup_federation(self, trainer: Trainer, federation: Federation) -> None:
         """Refuse releases without a guarantee and a δ that guarantees nothing; rebuild the ledgers
         from the ledger file."""
-        self.check_delta(federation.datamodule.train_sizes)
+        check_delta(self.delta, federation.datamodule.train_sizes)
         mechanism = federation.privacy_mechanism
         if mechanism is not None and mechanism.unit == "client":
             self.check_client_level(federation)
         releases = list(federation.algorithm.dp_releases())
         for cb in federation.federation_callbacks():
             releases.extend(cb.dp_releases(federation))
-        self.check_guarantee(releases, declared_upload_privacy(federation), federation.client.net,
-                             type(federation.algorithm).__name__, probe_federation_client(federation, releases))
-        self.open_ledger(rank_and_world()[0])
+        declared = declared_upload_privacy(federation)
+        problem = guarantee_problem(releases, declared, federation.client.net, type(federation.algorithm).__name__,
+                                    probe_federation_client(federation, releases))
+        self.record_start_checks(problem, declared)
+        self.ledger.open(rank_and_world()[0])
 
     def check_client_level(self, federation: Federation) -> None:
         """A client-level mechanism: ε is for one client of the population (δ < 1/N), the upload is
@@ -92,16 +101,16 @@ class RDPAccounting(RunAccountant, FederationCallback):
 
     def max_rounds(self, trainer: Trainer, federation: Federation) -> int | None:
         """The round count (from round 0) at which the budget is spent, given what is already charged
-        (:meth:`~fedfdp.privacy.run_accountant.RunAccountant.planned_rounds`)."""
-        return self.planned_rounds(federation.num_clients, federation.planned_dp_events,
+        (:meth:`~fedfdp.privacy.budget.BudgetPlan.planned_rounds`)."""
+        return self.budget.planned_rounds(federation.num_clients, federation.planned_dp_events,
                                    int(getattr(federation, "start_round", 0)), federation.planned_population_events())
 
     def on_round_start(self, trainer: Trainer, federation: Federation, context: RoundContext,
                        client_ids: list[int]) -> None:
         """Refuse a round that would take any client (or, client-level, the population) past the budget
         (strict rule only)."""
-        self.check_round(context.round, client_ids, federation.planned_dp_events,
-                         federation.planned_population_events())
+        self.budget.check_round(context.round, client_ids, federation.planned_dp_events,
+                                federation.planned_population_events())
 
     def on_client_release(self, trainer: Trainer, federation: Federation, update: ClientUpdate) -> None:
         """Check that every field of the upload is private, then write its events to the ledger file
@@ -112,7 +121,7 @@ class RDPAccounting(RunAccountant, FederationCallback):
 
     def on_uploads_final(self, trainer: Trainer, federation: Federation, updates: list[ClientUpdate]) -> None:
         """fsync the ledger entries of this process's uploads of the round before any upload leaves it."""
-        self.sync()
+        self.ledger.sync()
 
     def on_before_aggregate(self, trainer: Trainer, federation: Federation,
                             updates: list[ClientUpdate]) -> None:
@@ -132,9 +141,9 @@ class RDPAccounting(RunAccountant, FederationCallback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Write checkpoint-only ledgers to the file now that no check can refuse the start; count the
         releases a cut session made after the checkpoint (:meth:`note_resume`)."""
-        self.migrate_checkpoint()
+        self.ledger.migrate()
         self.note_resume(int(getattr(pl_module, "start_round", 0)))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Close the ledger file."""
-        self.close()
+        self.ledger.close()

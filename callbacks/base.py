@@ -24,9 +24,9 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 
 from fedfdp.interfaces import FederationHooks
-from fedfdp.privacy.accountant import find_accountant
+from fedfdp.privacy.accountant import run_accountant_of
 
-__all__ = ["FederationCallback", "find_accountant"]
+__all__ = ["FederationCallback", "run_accountant_of"]
 
 
 class FederationCallback(FederationHooks, Callback):

@@ -41,7 +41,7 @@ from fedfdp.memory import TRIM_EVERY, release_freed_memory
 from fedfdp.metrics import EvaluationResult, eval_batch_size
 from fedfdp.plan import (check_distributed, check_expected_batches, check_model_fits_data, check_required_callbacks,
                          check_round_count)
-from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
+from fedfdp.privacy.accountant import PrivacyAccountant, run_accountant_of
 from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.channel import server_half
 from fedfdp.privacy.sample_level import PrivacyMechanism
@@ -50,6 +50,8 @@ from fedfdp.stacked import StackedRound
 from fedfdp.types import ClientUpdate
 
 logger = logging.getLogger(__name__)
+
+_NOT_SET = object()  # the accountant before setup has collected it
 
 
 def _server_sgd(params: Any) -> torch.optim.Optimizer:
@@ -183,7 +185,7 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
             mechanism.sample_rate(datamodule.num_clients)  # refuses an expected cohort larger than N
         check_model_fits_data(self.client.net, datamodule)
         callbacks = self.federation_callbacks()
-        find_accountant(callbacks)  # a second accountant is refused before anything is charged
+        self._accountant = run_accountant_of(callbacks)  # handed over by its callback; a second one is refused
         check_required_callbacks(self.algorithm, callbacks)
         check_distributed(self.trainer, self.algorithm, self.client, callbacks)
         self.algorithm.setup(self)
@@ -272,7 +274,13 @@ class Federation(FederationClientWork, FederationEvaluation, LightningModule):
         The one owner of the privacy accounting: every module that needs ε, δ, the ledgers or the
         budget asks here. A second accountant in ``trainer.callbacks`` is refused at start.
         """
-        return self.node_accounting if self.node_accounting is not None else find_accountant(self.trainer.callbacks)
+        if self.node_accounting is not None:
+            return self.node_accounting
+        if self._accountant is _NOT_SET:  # read before setup (a check of the parsed run): ask the callbacks
+            return run_accountant_of(self.trainer.callbacks)
+        return self._accountant  # type: ignore[return-value]
+
+    _accountant: object = _NOT_SET  # handed over at setup by its callback (see :attr:`accountant`)
 
     #: Set by the owner of the run's summary (``callbacks.RunSummary``) on a resume whose run directory says
     #: the run never ended (``running``, ``interrupted``): a checkpoint that already holds every round then

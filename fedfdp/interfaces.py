@@ -170,9 +170,10 @@ class FederationHooks:
     """
 
     supports_distributed: ClassVar[bool] = True
-    is_privacy_accountant: ClassVar[bool] = False
-    """True for the callback that charges every DP event (:class:`callbacks.RDPAccounting`); a run
-    has at most one (:func:`fedfdp.privacy.accountant.find_accountant`)."""
+    def provided_accountant(self) -> Any:
+        """The privacy accountant this callback hands the run (:class:`callbacks.RDPAccounting`: itself),
+        or None; a run has at most one (:func:`fedfdp.privacy.accountant.run_accountant_of`)."""
+        return None
 
     def max_rounds(self, trainer: Trainer, federation: FederationView) -> int | None:
         """An upper bound on the number of rounds this callback allows (None: no bound)."""

@@ -72,7 +72,7 @@ class Algorithm:
     def on_fit_start(self, federation: FederationView) -> None:
         """Called once training starts, after a checkpoint (if any) and the privacy ledger are restored
         and before the rounds are planned: the place for a one-off private release that the
-        rounds' budget must account for (``federation.accountant.charge_release``)."""
+        rounds' budget must account for (``federation.accountant.compose``)."""
 
     # ---- a one-off release of every client before training (on_fit_start) -------------------
     def needs_fit_start_release(self) -> bool:
@@ -103,7 +103,7 @@ class Algorithm:
         releases = {}
         for cid in range(federation.num_clients):
             events = self.fit_start_events(cid)
-            accountant.charge_release(cid, events, round_idx=federation.start_round)
+            accountant.compose(cid, events, round_idx=federation.start_round)
             releases[cid] = checked_one_off_release(self, federation, cid, events)  # the mechanism's output only
         self.take_fit_start_releases(releases)
 

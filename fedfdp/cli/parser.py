@@ -48,7 +48,7 @@ from fedfdp.cli.trainer_options import HIDDEN_TRAINER_OPTIONS, REFUSED_TRAINER_O
 from fedfdp import strict_yaml
 from fedfdp.errors import ConfigError, require
 from fedfdp.federation import Federation
-from fedfdp.privacy.accountant import find_accountant
+from fedfdp.privacy.accountant import run_accountant_of
 from fedfdp.rundir import (CHECKPOINT_FILENAME, CONFIG_NAME, LEDGER_NAME, RunPaths, check_resume, check_run_files,
                            run_files, with_saved_config)
 from fedfdp.runlock import RunLock
@@ -265,7 +265,7 @@ class FedFDPCLI(LightningCLI):
         if trainer_cfg.get("logger") in (None, True):
             kwargs["logger"] = self._loggers(run_dir)
         callbacks = list(trainer_cfg.get("callbacks") or [])
-        accountant = find_accountant(callbacks)  # the durable privacy ledger lives in the run directory
+        accountant = run_accountant_of(callbacks)  # the durable privacy ledger lives in the run directory
         if accountant is not None and accountant.ledger_path is None:
             accountant.ledger_path = str(run_dir / LEDGER_NAME)
         if not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):

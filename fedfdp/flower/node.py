@@ -52,7 +52,7 @@ from fedfdp.flower.node_ledger import NodeLedger, NodeLedgerCallback
 from fedfdp.flower.node_state import NodeStateFile
 from fedfdp.flower.protocol import ClientStateKey, NodeDescription
 from fedfdp.metrics import evaluate_clientwise
-from fedfdp.privacy.accountant import find_accountant
+from fedfdp.privacy.accountant import run_accountant_of
 from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.accounting import PAPER_ORDERS, DPEvent
 from fedfdp.privacy.probe import model_clip_bound, probe_client
@@ -152,7 +152,7 @@ class NodeClient:
         self.datamodule.setup("fit")
         fed = self.federation
         fed.datamodule = self.datamodule  # what Federation.setup binds in a simulation
-        accounting = find_accountant(cli.trainer.callbacks)
+        accounting = run_accountant_of(cli.trainer.callbacks)
         target = settings.target_epsilon if settings.target_epsilon is not None else (
             accounting.target_epsilon if accounting is not None else None)
         self.ledger = NodeLedger(settings.ledger_dir, self.client_id, target_epsilon=target,

@@ -183,7 +183,7 @@ class FlowerFederation(Federation):
             if client != cid or events != self.algorithm.fit_start_events(cid):
                 raise RuntimeError(f"the node of client {cid} released {events} for client {client} at fit start; "
                                    f"expected {self.algorithm.fit_start_events(cid)}")
-            accountant.charge_release(cid, events, round_idx=self.start_round)
+            accountant.compose(cid, events, round_idx=self.start_round)
             self.client_epsilon[cid] = epsilon
             releases[cid] = release
         self.algorithm.take_fit_start_releases(releases)

@@ -11,7 +11,7 @@ implemented by :class:`fedfdp.privacy.run_accountant.RunAccountant` over the led
 (:mod:`fedfdp.privacy.planning`).
 """
 
-from fedfdp.privacy.accountant import PrivacyAccountant, find_accountant
+from fedfdp.privacy.accountant import PrivacyAccountant, run_accountant_of
 from fedfdp.privacy.accounting import OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, DPEvent, PrivacyLedger, epsilon_of
 from fedfdp.privacy.clipping import FairClip, FlatClip, fair_clip_factors, fairness_coefficients, flat_clip_factors
 from fedfdp.privacy.planning import max_rounds
@@ -19,5 +19,5 @@ from fedfdp.privacy.client_level import ClientLevelDP
 from fedfdp.privacy.sample_level import PrivacyMechanism, SampleLevelDP
 
 __all__ = ["ClientLevelDP", "DPEvent", "FairClip", "FlatClip", "OPACUS_DEFAULT_ORDERS", "PAPER_ORDERS", "PrivacyAccountant", "PrivacyLedger", "PrivacyMechanism", "SampleLevelDP",
-           "epsilon_of", "fair_clip_factors", "fairness_coefficients", "find_accountant", "flat_clip_factors",
+           "epsilon_of", "fair_clip_factors", "fairness_coefficients", "run_accountant_of", "flat_clip_factors",
            "max_rounds"]

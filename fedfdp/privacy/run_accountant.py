@@ -13,34 +13,32 @@ ledgers, ε, the budget guard and the planned rounds always come from the file: 
 any checkpoint, or restarted after a crash before its first checkpoint, keeps every release it
 made, and the rounds it replays are charged again.
 
-At start the accountant refuses any configured release whose guarantee would not hold: σ = 0 or
-an unbounded clip (:func:`fedfdp.privacy.validation.check_releases`), or a model with layers
-that mix the samples of a batch (BatchNorm).
-
-:class:`RunAccountant` implements :class:`fedfdp.privacy.accountant.PrivacyAccountant` and knows
-neither Lightning nor the federation: ``callbacks.RDPAccounting`` calls it from the federation's
-hooks.
+:class:`RunAccountant` implements the narrow :class:`fedfdp.privacy.accountant.PrivacyAccountant`
+(compose an event, ε, would the next events exceed the budget, state) and knows neither Lightning
+nor the federation. Its collaborators: the ledgers and their durable file (``ledger``,
+:class:`fedfdp.privacy.ledger.RunLedger`), the round planning and the per-round guard (``budget``,
+:class:`fedfdp.privacy.budget.BudgetPlan`) and the start-up checks
+(:mod:`fedfdp.privacy.start_checks`, whose outcome :meth:`RunAccountant.record_start_checks` keeps:
+a release whose guarantee would not hold is refused at start, or with ``allow_non_private`` makes
+ε infinite). ``callbacks.RDPAccounting`` calls them from the federation's hooks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from fedfdp.errors import ConfigError, PrivacyBudgetError, PrivacyError, require
-from fedfdp.privacy.accountant import PlannedEvents
 from fedfdp.privacy.accounting import ACCOUNTANTS, OPACUS_DEFAULT_ORDERS, PAPER_ORDERS, Accountant, DPEvent
+from fedfdp.privacy.budget import BudgetPlan
 from fedfdp.privacy.ledger import AccountingMode, RunLedger
-from fedfdp.privacy.planning import MAX_ROUNDS, affordable_rounds
-from fedfdp.privacy.uploads import unprotected_declarations, unprotected_fields
-from fedfdp.privacy.validation import DPRelease, check_releases, sample_mixing_layers
+from fedfdp.privacy.start_checks import check_population_delta
+from fedfdp.privacy.uploads import unprotected_fields
 from fedfdp.types import POPULATION
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from fedfdp.privacy.accounting import PrivacyLedger
     from fedfdp.types import ClientUpdate
 
@@ -75,8 +73,6 @@ class RunAccountant:
             reported as infinite. Off by default: such a run is refused at start.
     """
 
-    is_privacy_accountant: ClassVar[bool] = True
-
     def __init__(self, *, target_epsilon: float | None = None, delta: float = 1e-5,
                  orders: Literal["paper", "opacus"] = "paper", accounting_mode: AccountingMode = "theorem2",
                  rounds_rule: Literal["strict", "paper_code"] = "strict", accountant: Accountant = "rdp",
@@ -109,6 +105,7 @@ class RunAccountant:
         self.population_size: int | None = None  # N, when a client-level mechanism runs (:meth:`set_population`)
         self.ledger = RunLedger(orders=self.orders, delta=delta, mode=accounting_mode, accountant_kind=accountant,
                                 path=ledger_path)
+        self.budget = BudgetPlan(self)
 
     # ---- settings and reading -------------------------------------------------------------------
     @property
@@ -195,59 +192,21 @@ class RunAccountant:
     # ---- start ------------------------------------------------------------------------------
     def set_population(self, num_clients: int) -> None:
         """A client-level mechanism runs over a population of ``num_clients``: ε is for one client, and
-        δ must be below 1/N (releasing one random client outright is already (0, 1/N)-DP)."""
-        if not self.delta < 1.0 / num_clients:
-            raise ConfigError(f"RDPAccounting.delta={self.delta:g} guarantees nothing for one client: it must be in "
-                              f"(0, 1/N) with N = {num_clients}, the population (1/N = {1.0 / num_clients:.3g})")
+        δ must be below 1/N (:func:`fedfdp.privacy.start_checks.check_population_delta`)."""
+        check_population_delta(self.delta, num_clients)
         self.population_size = num_clients
 
-    def check_delta(self, train_sizes: Iterable[int]) -> None:
-        """Refuse δ ≥ 1/n, n the smallest client's training set: releasing one random record of it
-        outright is already (0, 1/n)-DP, so such a δ guarantees nothing (Dwork & Roth 2014, §2.3)."""
-        sizes = [int(n) for n in train_sizes if int(n) > 0]
-        if not sizes:
-            return
-        n = min(sizes)
-        if not self.delta < 1.0 / n:
-            raise ConfigError(f"RDPAccounting.delta={self.delta:g} guarantees nothing: it must be in (0, 1/n) with n = "
-                              f"{n}, the smallest client's training set (1/n = {1.0 / n:.3g}); the papers use 1e-5")
-
-    def check_guarantee(self, releases: Sequence[DPRelease], declared: dict[str, str | None], net: nn.Module,
-                        algorithm: str, model_problems: Sequence[str] = ()) -> None:
-        """Every configured release (``releases``: the algorithm's and the callbacks') is noised and
-        bounded, no layer of ``net`` mixes samples, the model passed its probe (``model_problems``:
-        :func:`fedfdp.privacy.probe.probe_client`'s findings) and every field of the uploads is
-        declared private (``declared``, :mod:`fedfdp.privacy.uploads`): else refuse, or with
-        ``allow_non_private`` report ε as infinite."""
+    def record_start_checks(self, problem: ConfigError | None, declared: dict[str, str | None]) -> None:
+        """Keep the outcome of the start-up checks (:func:`fedfdp.privacy.start_checks.guarantee_problem`)
+        and the declared upload fields (checked at every upload): a problem refuses the run, or with
+        ``allow_non_private`` makes ε infinite."""
         self.declared_uploads = declared
-        try:
-            problems = unprotected_declarations(declared, releases)
-            if problems:
-                raise ConfigError(
-                    f"model.algorithm {algorithm}: {problems[0]}, but trainer.callbacks "
-                    f"has callbacks.RDPAccounting, which would report an epsilon for the run; give the algorithm "
-                    f"its privacy mechanism (init_args.privacy: fedfdp.privacy.SampleLevelDP), or remove the DP callbacks, or set "
-                    f"RDPAccounting.allow_non_private: true to run it for analysis (epsilon inf, dp_valid false)")
-            check_releases(releases)
-            mixing = sample_mixing_layers(net)
-            if mixing:
-                raise ConfigError(
-                    f"model.client.init_args.net has layers that mix the samples of a batch ({', '.join(mixing)}: "
-                    f"BatchNorm), so one record moves the others' gradients and losses and no release is "
-                    f"differentially private; use GroupNorm/LayerNorm, or set "
-                    f"model.client.init_args.replace_batchnorm: true to replace them with GroupNorm")
-            if model_problems:
-                raise ConfigError(model_problems[0])
-        except ConfigError as err:
+        if problem is not None:
             if not self.allow_non_private:
-                raise
-            logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", err)
+                raise problem
+            logger.warning("RDPAccounting.allow_non_private: %s. epsilon is reported as inf", problem)
             self.unbounded = True
         self.guarantee_checked = True
-
-    def open_ledger(self, rank: int = 0) -> None:
-        """Open the ledger file (this process's ``rank``) and rebuild every ledger from it (no-op without one)."""
-        self.ledger.open(rank)
 
     def note_resume(self, start_round: int) -> int:
         """Count the releases the ledger file holds from round ``start_round`` on (the checkpoint's):
@@ -264,56 +223,19 @@ class RunAccountant:
                 "which ends the round first", repeated, start_round, self.repeated_releases)
         return repeated
 
-    # ---- planning ---------------------------------------------------------------------------
-    def planned_rounds(self, num_clients: int, planned: PlannedEvents, start_round: int,
-                       population: Sequence[tuple[str, DPEvent]] = ()) -> int | None:
-        """The round count (from round 0) at which the budget is spent, given what is already charged.
+    # ---- the budget ---------------------------------------------------------------------------
+    def projected_epsilon(self, client_id: int, events: Sequence[tuple[str, DPEvent]]) -> float:
+        """The budgeted ε of ``client_id`` (:data:`~fedfdp.types.POPULATION` for the population) once
+        ``events`` are charged too (those the budget counts)."""
+        return self.ledger.budget_ledger(client_id).projected_epsilon(self.ledger.counted(events), self.delta)
 
-        ``start_round`` rounds are done (the checkpoint's round, 0 for a fresh start); the ledgers
-        already hold every release made so far, replayed rounds included. The rounds still
-        affordable are those that keep every client's ε ≤ target if it takes part in each
-        (:func:`fedfdp.privacy.planning.affordable_rounds`); ``planned(client)`` is one round's events.
-        With a client-level mechanism the budget is the client unit's: the rounds that keep the
-        population's ε (one round: ``population``) within the target.
-        """
-        if self.target_epsilon is None:
-            return None
-        if self.population_size is not None:
-            clients: Iterable[tuple[Sequence[DPEvent], Sequence[DPEvent]]] = [
-                (self.ledger.counted(population), self.ledger.spent_budget_events(POPULATION))]
-        else:
-            clients = ((self.ledger.counted(planned(cid)), self.ledger.spent_budget_events(cid))
-                       for cid in range(num_clients))
-        remaining = affordable_rounds(clients, target_epsilon=self.target_epsilon, delta=self.delta,
-                                      orders=self.orders, rule=self.rounds_rule, accountant=self.accountant,
-                                      spent_epsilon=self.budgeted_epsilon(), cap=MAX_ROUNDS)
-        return start_round + remaining
+    def would_exceed(self, client_id: int, events: Sequence[tuple[str, DPEvent]]) -> bool:
+        """Whether charging ``events`` would take ``client_id`` (or the population) past ``target_epsilon``."""
+        return self.target_epsilon is not None and self.projected_epsilon(client_id, events) > self.target_epsilon
 
-    def check_round(self, round_idx: int, client_ids: Sequence[int], planned: PlannedEvents,
-                    population: Sequence[tuple[str, DPEvent]] = ()) -> None:
-        """Start round ``round_idx`` (0-based): refuse it if it would take any client past the budget
-        (strict rule only).
-
-        Raises:
-            PrivacyBudgetError: a client's projected ε after the round exceeds ``target_epsilon``.
-        """
+    def start_round_charges(self) -> None:
+        """A round starts: no upload of it is charged yet (:meth:`charge_received` charges the others')."""
         self._charged.clear()
-        if self.target_epsilon is None or self.rounds_rule != "strict":
-            return
-        if self.population_size is not None:
-            projected = self.ledger.budget_ledger(POPULATION).projected_epsilon(self.ledger.counted(population),
-                                                                                self.delta)
-            if projected > self.target_epsilon:
-                raise PrivacyBudgetError(
-                    f"round {round_idx} would spend epsilon={projected:.4f} for a client of the population, over "
-                    f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
-            return
-        for cid in client_ids:
-            projected = self.ledger.budget_ledger(cid).projected_epsilon(self.ledger.counted(planned(cid)), self.delta)
-            if projected > self.target_epsilon:
-                raise PrivacyBudgetError(
-                    f"round {round_idx} would spend epsilon={projected:.4f} for client {cid}, over "
-                    f"RDPAccounting.target_epsilon={self.target_epsilon}; the budget is exhausted")
 
     # ---- charging ---------------------------------------------------------------------------
     def charge_upload(self, round_idx: int, update: ClientUpdate) -> None:
@@ -367,7 +289,7 @@ class RunAccountant:
             raise PrivacyBudgetError(f"round {round_idx + 1}: the aggregate charges epsilon {spent:.4f} per client, "
                                      f"over RDPAccounting.target_epsilon={self.target_epsilon}; it was not released")
 
-    def charge_release(self, client_id: int, events: Sequence[tuple[str, DPEvent]], *, round_idx: int) -> None:
+    def compose(self, client_id: int, events: Sequence[tuple[str, DPEvent]], *, round_idx: int) -> None:
         """Charge a release a client makes outside its uploads (once, e.g. a noisy label histogram
         before training), before it is used: written to the ledger file (fsynced), then charged.
 
@@ -385,14 +307,6 @@ class RunAccountant:
                                      f"RDPAccounting.target_epsilon={self.target_epsilon}")
 
     # ---- persistence ------------------------------------------------------------------------
-    def sync(self) -> None:
-        """fsync the ledger entries written so far (before any upload of the round leaves the process)."""
-        self.ledger.sync()
-
-    def close(self) -> None:
-        """Close the ledger file."""
-        self.ledger.close()
-
     def state_dict(self) -> dict[str, Any]:
         """Every ledger's history (a copy: with a ledger file, the file is the source of truth)."""
         return {"unbounded": self.unbounded, "repeated_releases": self.repeated_releases, **self.ledger.state_dict()}
@@ -402,14 +316,8 @@ class RunAccountant:
 
         The file holds every release, including those after the checkpoint, so it wins. A checkpoint
         written before ledger files existed (an empty file) is migrated into it
-        (:meth:`migrate_checkpoint`).
+        (``ledger.migrate()``, once no check can refuse the start).
         """
         self.unbounded = self.unbounded or bool(state_dict.get("unbounded", False))
         self.repeated_releases = int(state_dict.get("repeated_releases", 0))
         self.ledger.load_state_dict(state_dict)
-
-    def migrate_checkpoint(self) -> None:
-        """Write checkpoint-only ledgers to the ledger file, if a checkpoint left any. Called once no
-        check can refuse the start (they are restored before a resume's last checks, and a refused
-        resume must change no file)."""
-        self.ledger.migrate()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from callbacks.base import find_accountant
+from callbacks.base import run_accountant_of
 from callbacks import FederationCallback, LossReporting, NoisyLossReporting, RDPAccounting
 from fedfdp import FedAvg, FedFair, FedFDP, Federation
 from fedfdp.errors import ConfigError
@@ -218,4 +218,4 @@ def test_the_federation_owns_one_accountant_and_refuses_a_second():
     fed_plain, _ = run_federation(FedAvg(lr=0.1), [], rounds=1)
     assert fed_plain.accountant is None
     with pytest.raises(ConfigError, match="has 2 privacy accountants"):  # Lightning's own refusal is a traceback
-        find_accountant([NoisyLossReporting(), RDPAccounting(), RDPAccounting(target_epsilon=1.0)])
+        run_accountant_of([NoisyLossReporting(), RDPAccounting(), RDPAccounting(target_epsilon=1.0)])

@@ -146,15 +146,15 @@ def test_the_population_ledger_is_rebuilt_from_the_ledger_file(tmp_path):
     path = str(tmp_path / "privacy_ledger.jsonl")
     acc = RunAccountant(delta=DELTA, ledger_path=path)
     acc.set_population(1000)
-    acc.open_ledger()
+    acc.ledger.open()
     for t in range(7):
         acc.charge_population(t, [(CLIENT_RELEASE, DPEvent(noise_multiplier=1.1, sample_rate=0.03))])
-    acc.close()
+    acc.ledger.close()
     lines = [json.loads(line) for line in open(path)]
     assert {(r["client"], r["unit"], r["kind"]) for r in lines} == {(POPULATION, "client", CLIENT_RELEASE)}
     again = RunAccountant(delta=DELTA, ledger_path=path)
     again.set_population(1000)
-    again.open_ledger()
+    again.ledger.open()
     assert again.epsilon() == acc.epsilon() > 0 and again.population_rounds() == 7
     assert again.ledger.epsilon() == 0.0  # no record-unit ledger holds them
 
@@ -214,7 +214,7 @@ def test_the_guard_refuses_a_round_past_the_budget():
     acc.set_population(100)
     event = [(CLIENT_RELEASE, DPEvent(noise_multiplier=0.5, sample_rate=0.5))]
     with pytest.raises(PrivacyBudgetError, match="for a client of the population"):
-        acc.check_round(0, [], lambda cid: [], event)
+        acc.budget.check_round(0, [], lambda cid: [], event)
 
 
 def test_the_server_half_sees_no_upload():
