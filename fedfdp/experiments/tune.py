@@ -71,7 +71,10 @@ before any has finished, the command stops with the error instead (a broken conf
 space would fail every trial). A study is tied to its
 settings (the config's content, validation fraction, objective, rounds, seeds, search space):
 resuming it with others is refused. The config's path is not part of it: a study folder copied to
-another checkout (its ``study.db`` is enough) continues there.
+another checkout (its ``study.db`` is enough) continues there. A ``study.db`` that cannot be read
+(truncated, junk, another study's) or a folder in place of one of the study's files is refused in
+one line before anything is written (``tests/experiments/test_study_file_faults.py`` breaks each
+file every way).
 
 **Stopping.** SIGINT or SIGTERM (Ctrl-C, ``kill``, a scheduler; to the tune process alone or to
 its process group) is passed on to the running trials' fits (:mod:`fedfdp.experiments.stop_signals`;
@@ -276,15 +279,41 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+#: The files a study folder holds besides its trial run directories (written by :func:`_run_study`).
+STUDY_FILES = ("study.db", "search_space.yaml", "best.yaml", "best.json", "trials.txt")
+
+
+def _check_study_files(study_dir: Path) -> None:
+    """Refuse, before anything is written, a study folder where one of its files is not a regular file."""
+    if study_dir.exists() and not study_dir.is_dir():
+        raise TuneError(f"--study-dir {study_dir} is a file, not a folder")
+    for name in STUDY_FILES:
+        path = study_dir / name
+        if path.exists() and not path.is_file():
+            raise TuneError(f"{path} is not a regular file (a folder?); the study keeps its {name} there: move it away")
+
+
 def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int = 1, batch: int = 1,
                startup_trials: int = 10) -> int:
     import optuna
     from optuna.trial import TrialState
 
-    settings.study_dir.mkdir(parents=True, exist_ok=True)
-    storage = f"sqlite:///{(settings.study_dir / 'study.db').resolve()}"
-    study = optuna.create_study(study_name=settings.study_name, storage=storage, direction="maximize",
-                                load_if_exists=True)
+    _check_study_files(settings.study_dir)
+    db = settings.study_dir / "study.db"
+    storage = f"sqlite:///{db.resolve()}"
+    try:
+        if db.exists() and db.stat().st_size:  # read it before anything is written: a broken study changes nothing
+            optuna.load_study(study_name=settings.study_name,
+                              storage=f"sqlite:///file:{db.resolve()}?mode=ro&uri=true").trials  # noqa: B018
+        settings.study_dir.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(study_name=settings.study_name, storage=storage, direction="maximize",
+                                    load_if_exists=True)
+    except KeyError:  # another study's database (no study of this name): refused by the identity check below
+        raise TuneError(f"{db} holds no study named {settings.study_name!r}: another study's folder? use its "
+                        f"--study-dir, or another folder for this one") from None
+    except Exception as err:  # noqa: BLE001 - SQLite/SQLAlchemy errors of a truncated, junk or unreadable file
+        raise TuneError(f"cannot read the study {settings.study_name!r} in {db}: {' '.join(str(err).split())[:300]}; "
+                        f"restore it, or move the folder away to start the study again") from err
     _check_identity(study, settings)
     study = optuna.load_study(study_name=settings.study_name, storage=storage,
                               sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(study.trials),
