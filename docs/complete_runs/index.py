@@ -64,6 +64,7 @@ TABLES = {
     "issue23_fmnist10": "equal-budget-10clients", "issue23_fmnist50": "equal-budget-50clients",
     "ranked_fmnist10": "ranked-10clients", "ranked_fmnist50": "ranked-50clients",
     "ranked_fmnist10_dir0p5": "ranked-10clients-dir0.5",
+    "population_fmnist": "population",
 }
 #: a data class's dataset, read with ``Clustered`` and ``DataModule`` stripped (:func:`dataset_name`)
 DATASETS = {"FashionMNIST": "fmnist", "MNIST": "mnist", "CIFAR10": "cifar10", "Digits": "digits",

@@ -307,3 +307,42 @@ def test_the_rcdpfl_lr_grid_ran_every_point_and_results_show_what_it_found(best_
                                           and not line.startswith("| ε")).strip().strip("|").split("|")]
     shown = _results_row(f"| {setting} | {label} ({best['params'][key]:g}) |")
     assert shown[2:6] == tested_row[2:6], name  # All, Maj, Min, MinAcc
+
+
+POPULATION_STUDIES = sorted((REPO / "docs" / "complete_runs" / "tuning" / "population").glob("*/best.json"))
+#: Each population study: the config its rows name and the prefix of its committed rows' folders
+#: (``<prefix>*``: one folder per client-level epsilon; the non-private row has one).
+POPULATION_ROWS = {
+    "client_dp": ("configs/tuned/population_client_dp.yaml", "client_dp_fixed_eps"),
+    "client_dp_adaptive": ("configs/tuned/population_client_dp_adaptive.yaml", "client_dp_adaptive_eps"),
+    "fedavg": ("configs/tuned/population_fedavg.yaml", "fedavg_nonprivate"),
+}
+
+
+@pytest.mark.parametrize("best_path", POPULATION_STUDIES, ids=lambda p: p.parent.name)
+def test_a_population_row_runs_its_studys_winner(best_path, tmp_path):
+    """The population table's rows are what their 8-trial studies chose on validation data: the study
+    finished 8 trials, best.json is its best trial, and the row's config and every committed run of it
+    (any epsilon, 3 seeds at least where committed) use the winner's values and the same held-out split."""
+    import shutil
+
+    import optuna
+    import yaml
+    from optuna.trial import TrialState
+
+    best = json.loads(best_path.read_text())
+    db = tmp_path / "study.db"
+    shutil.copy(best_path.parent / "study.db", db)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=best["study"], storage=f"sqlite:///{db}")
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL)]
+    assert len(finished) == len(study.trials) == 8
+    assert (study.best_trial.number, study.best_trial.value) == (best["trial"], pytest.approx(best["value"]))
+    config_path, prefix = POPULATION_ROWS[best_path.parent.name]
+    runs = sorted((REPO / "docs" / "complete_runs" / "population_fmnist").glob(f"{prefix}*/seed*/config.yaml"))
+    for folder in {p.parent.parent for p in runs}:
+        assert len(list(folder.glob("seed*/config.yaml"))) >= 3, f"{folder.name}: a row needs 3 seeds"
+    for config in [yaml.safe_load((REPO / config_path).read_text())] + [yaml.safe_load(p.read_text()) for p in runs]:
+        assert config["data"]["init_args"]["val_fraction"] == best["val_fraction"]
+        for key, value in study.best_trial.params.items():
+            assert _dotted(config, key) == pytest.approx(value, rel=1e-12), key
