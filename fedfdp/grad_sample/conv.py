@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedfdp.grad_sample.linear import bias_sq_norms
+from fedfdp.grad_sample.linear import bias_sq_norms, bias_weighted
 from fedfdp.grad_sample.registry import (
     GroupedLayer,
     LayerFactors,
@@ -139,12 +139,6 @@ class ConvFactors(LayerFactors):
     conv_input: Tensor | None = None
     conv_backprop: Tensor | None = None
 
-    def params(self) -> list[Tensor]:  # noqa: D102 (weight, then bias)
-        ps = [self.module.weight]
-        if self.module.bias is not None:
-            ps.append(self.module.bias)
-        return [p for p in ps if p.requires_grad]
-
     def weighted(self, weights: Tensor, rows: slice = slice(None)) -> dict[int, Tensor]:  # noqa: D102
         weight = self.module.weight
         w = weights.to(self.b.dtype)
@@ -162,9 +156,7 @@ class ConvFactors(LayerFactors):
                                                 self.conv_backprop[rows] * w[:, None, None, None],
                                                 conv.stride, conv.padding, conv.dilation, conv.groups)
             out[id(weight)] = g
-        bias = self.module.bias
-        if bias is not None and bias.requires_grad:
-            out[id(bias)] = w @ b.sum(1)
+        out.update(bias_weighted(self.module, b, w))
         return out
 
 

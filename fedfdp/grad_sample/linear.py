@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fedfdp.grad_sample.registry import GroupedLayer, LayerFactors, SamplerContext, register_grad_sampler
 
-__all__ = ["GroupedLinear", "LinearFactors", "bias_sq_norms", "linear_factors"]
+__all__ = ["GroupedLinear", "LinearFactors", "bias_sq_norms", "bias_weighted", "linear_factors"]
 
 
 class GroupedLinear(GroupedLayer, nn.Linear):
@@ -38,6 +38,12 @@ def bias_sq_norms(module: nn.Module, b: Tensor) -> Tensor:
     return torch.zeros(b.shape[0], device=b.device, dtype=b.dtype)
 
 
+def bias_weighted(module: nn.Module, b: Tensor, w: Tensor) -> dict[int, Tensor]:
+    """``{id(bias): Σ_j w_j Σ_p b_jp}`` when the layer has a trainable bias, else ``{}``; ``b`` is (B, P, d_out)."""
+    bias = module.bias
+    return {id(bias): w @ b.sum(1)} if bias is not None and bias.requires_grad else {}
+
+
 @dataclass
 class LinearFactors(LayerFactors):
     """A Linear layer's activations ``a`` (B, P, d_in) and output gradients ``b`` (B, P, d_out)."""
@@ -47,12 +53,6 @@ class LinearFactors(LayerFactors):
     sq_norms: Tensor
     a: Tensor
 
-    def params(self) -> list[Tensor]:  # noqa: D102 (weight, then bias)
-        ps = [self.module.weight]
-        if self.module.bias is not None:
-            ps.append(self.module.bias)
-        return [p for p in ps if p.requires_grad]
-
     def weighted(self, weights: Tensor, rows: slice = slice(None)) -> dict[int, Tensor]:  # noqa: D102
         weight = self.module.weight
         w = weights.to(self.b.dtype)
@@ -60,9 +60,7 @@ class LinearFactors(LayerFactors):
         out: dict[int, Tensor] = {}
         if weight.requires_grad:
             out[id(weight)] = torch.einsum("bpo,bpi->oi", b * w[:, None, None], self.a[rows]).reshape(weight.shape)
-        bias = self.module.bias
-        if bias is not None and bias.requires_grad:
-            out[id(bias)] = w @ b.sum(1)
+        out.update(bias_weighted(self.module, b, w))
         return out
 
 

@@ -137,7 +137,9 @@ class _Tokens(nn.Module):
 
 
 @settings(max_examples=30, deadline=None)
-@given(vocab=st.integers(2, 6), dim=st.integers(1, 5), padding=st.sampled_from([None, 0, 1]),
+# dim >= 2: a LayerNorm over one value outputs its bias alone, and the embedding's true gradient, 0, comes out
+# of the normalisation's backward as float noise (1e-5) that differs between a batch and one sample
+@given(vocab=st.integers(2, 6), dim=st.integers(2, 5), padding=st.sampled_from([None, 0, 1]),
        norm_shape=st.sampled_from([1, 2]), ln_bias=st.booleans(), batch=st.integers(1, 5), seed=st.integers(0, 9999))
 def test_embedding_and_layer_norm_samplers_match_microbatch(vocab, dim, padding, norm_shape, ln_bias, batch, seed):
     """Embedding (repeated tokens, a padding row) and LayerNorm (1- and 2-dim shapes, with and without bias)."""
