@@ -108,6 +108,7 @@ from fedfdp.cli.errors import config_file_problem
 from fedfdp.experiments._common import add_dry_run, add_list_option, message, output, print_command
 from fedfdp.experiments import stop_signals
 from fedfdp.experiments.grid_sampler import grid_sampler, grid_trials_to_ask
+from fedfdp.experiments.study_folder import open_study
 from fedfdp.experiments.search_space import (
     DEFAULT_SPACE, DEFAULT_SPACE_YAML, VAL_KEY, TuneError, apply_overrides, baseline_params, grid_size, grid_space,
     load_space, sample_overrides,
@@ -211,28 +212,6 @@ def _dry_run(settings: Settings, n_trials: int, sampler_seed: int) -> int:
     return 0
 
 
-def _check_identity(study: Any, settings: Settings) -> None:
-    """Store the settings in a new study; refuse to continue a study made with other settings."""
-    identity = settings.identity()
-    stored = study.user_attrs.get("settings")
-    if stored is None:
-        study.set_user_attr("settings", identity)
-        return
-    stored = dict(stored)
-    # the config is its content: a study copied with its checkout to another folder (or machine)
-    # continues, and a config whose content changed is refused whatever its path
-    if "config_sha256" in stored and stored["config_sha256"] != identity["config_sha256"]:
-        raise TuneError(f"the config file {settings.config} is not the one the study in {settings.study_dir} started "
-                        f"with ({stored.get('config')}, changed since); use another --study-dir for the new config")
-    ignored = ("config", "config_sha256") if "config_sha256" in stored else ("config_sha256",)  # older: the path
-    diff = [k for k in identity if k not in ignored and stored.get(k) != identity[k]]
-    if diff:
-        shown = ", ".join(f"{k} (study: {json.dumps(stored.get(k))[:80]}, now: {json.dumps(identity[k])[:80]})"
-                          for k in diff)
-        raise TuneError(f"the study in {settings.study_dir} was run with other settings: {shown}; resume it with "
-                        f"the same options or use another --study-dir")
-
-
 def write_best(settings: Settings, study: Any) -> dict[str, Any] | None:
     """``best.yaml`` (base config + best values + val_fraction) and ``best.json``; None without a finished trial."""
     from optuna.trial import TrialState
@@ -279,42 +258,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-#: The files a study folder holds besides its trial run directories (written by :func:`_run_study`).
-STUDY_FILES = ("study.db", "search_space.yaml", "best.yaml", "best.json", "trials.txt")
-
-
-def _check_study_files(study_dir: Path) -> None:
-    """Refuse, before anything is written, a study folder where one of its files is not a regular file."""
-    if study_dir.exists() and not study_dir.is_dir():
-        raise TuneError(f"--study-dir {study_dir} is a file, not a folder")
-    for name in STUDY_FILES:
-        path = study_dir / name
-        if path.exists() and not path.is_file():
-            raise TuneError(f"{path} is not a regular file (a folder?); the study keeps its {name} there: move it away")
-
-
 def _run_study(settings: Settings, n_trials: int, sampler_seed: int, jobs: int = 1, batch: int = 1,
                startup_trials: int = 10) -> int:
     import optuna
     from optuna.trial import TrialState
 
-    _check_study_files(settings.study_dir)
-    db = settings.study_dir / "study.db"
-    storage = f"sqlite:///{db.resolve()}"
-    try:
-        if db.exists() and db.stat().st_size:  # read it before anything is written: a broken study changes nothing
-            optuna.load_study(study_name=settings.study_name,
-                              storage=f"sqlite:///file:{db.resolve()}?mode=ro&uri=true").trials  # noqa: B018
-        settings.study_dir.mkdir(parents=True, exist_ok=True)
-        study = optuna.create_study(study_name=settings.study_name, storage=storage, direction="maximize",
-                                    load_if_exists=True)
-    except KeyError:  # another study's database (no study of this name): refused by the identity check below
-        raise TuneError(f"{db} holds no study named {settings.study_name!r}: another study's folder? use its "
-                        f"--study-dir, or another folder for this one") from None
-    except Exception as err:  # noqa: BLE001 - SQLite/SQLAlchemy errors of a truncated, junk or unreadable file
-        raise TuneError(f"cannot read the study {settings.study_name!r} in {db}: {' '.join(str(err).split())[:300]}; "
-                        f"restore it, or move the folder away to start the study again") from err
-    _check_identity(study, settings)
+    study, storage = open_study(settings)
     study = optuna.load_study(study_name=settings.study_name, storage=storage,
                               sampler=_sampler(settings.sampler, settings.space, sampler_seed, len(study.trials),
                                                startup_trials))
