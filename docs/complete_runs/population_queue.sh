@@ -6,8 +6,11 @@
 # --dest docs/complete_runs/population_fmnist` (only rows with 3 finished seeds are committed).
 cd "$(dirname "$0")/../.." && . .venv/bin/activate && export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=offline
 run() {  # run <row> <config> <seed> [overrides...]
-  local dir=runs/population/$1/seed$3 cfg=$2 seed=$3; shift 3
-  if [ -f $dir/summary.json ] && grep -q '"status": "\(completed\|budget_spent\)' $dir/summary.json; then return; fi
+  # a committed run is not restored under runs/ (it has no harness.json): look for it where it is committed
+  local dir=runs/population/$1/seed$3 committed=docs/complete_runs/population_fmnist/$1/seed$3 cfg=$2 seed=$3; shift 3
+  for done in $dir $committed; do
+    if [ -f $done/summary.json ] && grep -q '"status": "\(completed\|budget_spent\)' $done/summary.json; then return; fi
+  done
   local resume=""; [ -f $dir/checkpoints/last.ckpt ] && resume="--ckpt_path last"
   [ -d $dir ] && [ -z "$resume" ] && mv $dir $dir.stale-$(date +%s)
   mkdir -p $(dirname $dir)
