@@ -83,6 +83,7 @@ class RDPAccounting(RunAccountant, FederationCallback):
         problem = guarantee_problem(releases, declared, federation.client.net, type(federation.algorithm).__name__,
                                     probe_federation_client(federation, releases))
         self.record_start_checks(problem, declared)
+        self.ledger.models = federation.algorithm.covered_models()
         self.ledger.open(rank_and_world()[0])
 
     def check_client_level(self, federation: Federation) -> None:

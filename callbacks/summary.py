@@ -95,7 +95,9 @@ def privacy_unit(federation: Federation) -> dict[str, str | None]:
 
 
 def privacy_guarantees(federation: Federation) -> dict[str, dict[str, Any]] | None:
-    """``privacy``: the (ε, δ) of each unit the run protects, for whom and for which models.
+    """``privacy``: the (ε, δ) of each unit the run protects, for whom and for which models
+    (``models_covered`` in words; ``models`` as every privacy-ledger event names them,
+    :meth:`fedfdp.algorithms.Algorithm.covered_models`).
 
     ``record`` always (one record of any client); ``client`` when a client-level mechanism runs (one
     client of the population of N, with its noise multiplier, sampling rate and charged rounds).
@@ -110,7 +112,8 @@ def privacy_guarantees(federation: Federation) -> dict[str, dict[str, Any]] | No
               else "the released global models only (not the models kept and evaluated on the clients)")
     out: dict[str, dict[str, Any]] = {"record": {
         "epsilon": accountant.record_epsilon(), "delta": accountant.delta,
-        "population": f"the records of the {federation.num_clients} clients", "models_covered": models}}
+        "population": f"the records of the {federation.num_clients} clients", "models_covered": models,
+        "models": federation.algorithm.covered_models()}}
     mechanism = federation.privacy_mechanism
     if accountant.unit == "client" and mechanism is not None:
         implied = accountant.record_epsilon() == accountant.epsilon()
@@ -122,7 +125,7 @@ def privacy_guarantees(federation: Federation) -> dict[str, dict[str, Any]] | No
             "noise_multiplier": float(getattr(mechanism, "noise_multiplier")),
             "sampling_rate": float(getattr(mechanism, "sample_rate")(federation.num_clients)),
             "rounds": accountant.population_rounds(), "population": federation.num_clients,
-            "models_covered": models}
+            "models_covered": models, "models": federation.algorithm.covered_models()}
     return out
 
 

@@ -27,7 +27,8 @@ LOSS = {"class_path": "callbacks.NoisyLossReporting", "init_args": {"loss_bound"
 GLOBAL_LOSS = {"class_path": "callbacks.NoisyGlobalLossReporting",
                "init_args": {"loss_bound": 2.5, "noise_multiplier": 5.0}}
 FINP = {"client_reg": True, "server_agg": "ala", "curvature_samples": 16, "curvature_iters": 5}
-CLUSTERED = {"num_clusters": 2, "lr": 0.1, "batch_size": 16, "max_grad_norm": 1.0, "noise_multiplier": 1.0}
+CLUSTERED = {"num_clusters": 2, "lr": 0.1, "privacy": {"class_path": "fedfdp.privacy.EpochDPSGD", "init_args": {
+    "batch_size": 16, "max_grad_norm": 1.0, "noise_multiplier": 1.0}}}
 
 #: OracleCDPFL needs data that knows its true clusters: 3 digit clients in 2 rotation clusters
 DIGITS = {"data": {"class_path": "datamodules.ClusteredDigitsDataModule",

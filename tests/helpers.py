@@ -56,6 +56,19 @@ def private(cls: Any, **options: Any) -> Any:
     return cls(**options, privacy=SampleLevelDP(**mechanism))
 
 
+#: The clustered family's mechanism options (``privacy=EpochDPSGD(...)``).
+EPOCH_OPTIONS = ("batch_size", "local_epochs", "max_grad_norm", "noise_multiplier", "target_epsilon")
+
+
+def clustered(cls: Any, **options: Any) -> Any:
+    """A clustered algorithm (RC-DPFL, IFCA, ...): the options of its local DP-SGD among ``options``
+    (:data:`EPOCH_OPTIONS`) go into ``privacy=EpochDPSGD(...)``, the rest to ``cls``."""
+    from fedfdp.privacy import EpochDPSGD
+
+    mechanism = {k: options.pop(k) for k in EPOCH_OPTIONS if k in options}
+    return cls(**options, privacy=EpochDPSGD(**mechanism))
+
+
 def dp_fedavg(lr: float = 1.0, **options: Any) -> Any:
     """DP-FedAvg (the retired ``DPFedAvg``, whose default ``lr`` was 1.0): FedAvg with ``SampleLevelDP``."""
     from fedfdp.algorithms import FedAvg

@@ -214,9 +214,11 @@ def family_config(family: Family, tmp: Path) -> Path:
     base = TINY / "tiny_dpfedavg.yaml" if algorithm is None else algorithm_config(algorithm, tmp)
     if kind == "privacy" and name == "ClientLevelDP":  # its own options: tiny_client_dp.yaml
         base = TINY / "tiny_client_dp.yaml"
+    if kind == "privacy" and name == "EpochDPSGD":  # the clustered family's mechanism: IFCA's tiny case
+        base = algorithm_config("IFCA", tmp)
     config = yaml.safe_load(base.read_text())
     model = config["model"]
-    if kind == "privacy":  # FedAvg with this mechanism, its options as in tiny_dpfedavg.yaml
+    if kind == "privacy" and name != "EpochDPSGD":  # FedAvg with this mechanism, its options as in tiny_dpfedavg.yaml
         model["algorithm"]["init_args"]["privacy"]["class_path"] = family.class_path
     if data_swap is not None:
         config["data"], model["client"]["init_args"]["net"] = _tiny_data(data_swap, tmp)

@@ -174,6 +174,15 @@ class Algorithm:
     #: must declare this itself; an inherited declaration does not cover the new hook.
     evaluated_models_covered: ClassVar[bool] = True
 
+    #: The models the server forms from the released uploads, as the privacy ledger names them
+    #: (every event's ``models``): ``global`` here; ``clusters`` (clustered DPFL), ``own`` (each
+    #: client's own model, local training).
+    released_models: ClassVar[str] = "global"
+    #: The models kept and evaluated on the clients besides them (``personal``, ``fine-tuned``,
+    #: ``prior-corrected``), None when there are none: covered by the run's ε only where
+    #: :meth:`covers_evaluated_models` says so.
+    kept_models: ClassVar[str | None] = None
+
     #: The hooks that decide which model, with which logit offsets, evaluates each client.
     EVALUATION_HOOKS: ClassVar[tuple[str, ...]] = ("evaluation_groups", "evaluation_logit_offsets")
 
@@ -189,6 +198,14 @@ class Algorithm:
         if "evaluated_models_covered" in vars(self):  # set per run, e.g. from a constructor flag
             return bool(self.evaluated_models_covered)
         return self.class_covers_evaluated_models()
+
+    def covered_models(self) -> str:
+        """The models the run's ε covers, as every privacy-ledger event names them: ``released_models``,
+        with ``+kept_models`` where the models kept on the clients are covered too (e.g.
+        ``global+personal`` for DP-Ditto with private personal steps, ``global`` without them)."""
+        if self.kept_models is None or not self.covers_evaluated_models():
+            return self.released_models
+        return f"{self.released_models}+{self.kept_models}"
 
     @classmethod
     def class_covers_evaluated_models(cls) -> bool:

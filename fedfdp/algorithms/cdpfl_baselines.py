@@ -7,7 +7,7 @@ initial models and assignment; training, aggregation and accounting are ``Cluste
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from torch import Tensor
@@ -44,6 +44,8 @@ class LocalDPSGD(ClusteredDPFL):
 
     ``num_clusters`` is ignored (one model per client).
     """
+
+    released_models: ClassVar[str] = "own"
 
     def initial_models(self, initial: Tensor, federation: FederationView) -> Tensor:
         """One copy of ``θ^init`` per client."""

@@ -6,19 +6,20 @@
   tensor) and every client's assignment ``R(i)``.
 * **Client half**: client i starts from ``θ_{R(i)}`` (:meth:`client_start_params`), optionally
   re-selects its cluster (:meth:`_select`, IFCA / RC-DPFL stage C), then runs K local epochs of
-  DP-SGD (spec §1.2): ``⌊N_i/b⌋`` steps per epoch on Poisson batches of rate ``q = b/N_i``,
-  per-sample flat clipping at c, ``N(0, (c z_i)² I)`` on the clipped sum, division by the
-  expected batch size ``b``. A full-batch round (RC-DPFL round 1, q = 1) accumulates the clipped
+  DP-SGD (spec §1.2) given by its privacy mechanism, ``privacy=EpochDPSGD(...)``
+  (:class:`fedfdp.privacy.EpochDPSGD`): ``⌊N_i/b⌋`` steps per epoch on Poisson batches of rate
+  ``q = b/N_i``, per-sample flat clipping at c, ``N(0, (c z_i)² I)`` on the clipped sum, division by
+  the expected batch size ``b``. A full-batch round (RC-DPFL round 1, q = 1) accumulates the clipped
   sum over physical chunks and draws the noise once per epoch (Appendix E). Every step is the
-  engine's private step, :meth:`fedfdp.client.ClientModule.training_step` on
-  :meth:`ClusteredDPFL.private_batch` (the maths is written out there).
+  engine's private step, :meth:`fedfdp.client.ClientModule.training_step` on the mechanism's
+  :meth:`~fedfdp.privacy.EpochDPSGD.private_batch` (the maths is written out there).
 * **Server half**: ``θ_m ← Σ_{i∈S_m} (N_i / Σ_{j∈S_m} N_j) θ_i`` over the clients that trained
   cluster m this round (= ``θ_m + Σ w_i Δ_i``; an empty cluster keeps its model).
   :meth:`aggregate` returns the ``N_i``-weighted mean of *all* uploads as the federation's
   "global" model: a diagnostic only, never evaluated (evaluation uses one group per cluster).
 * **Privacy**: one noise multiplier z_i per client for the whole run, either given or calibrated
-  in :meth:`setup` so that the full schedule (:meth:`planned_schedule`) meets the target ε at
-  the accountant's δ (:mod:`fedfdp.privacy.schedule`). The schedule is round-dependent, so
+  by the mechanism in :meth:`setup` so that the full schedule (:meth:`planned_schedule`) meets the
+  target ε at the accountant's δ (:mod:`fedfdp.privacy.schedule`). The schedule is round-dependent, so
   :meth:`planned_dp_events` returns the events of the round configured last.
 
 Its subclasses live in their own modules: RC-DPFL, IFCA, KM-CDPFL, and the oracle and local
@@ -39,13 +40,12 @@ from torch.nn.utils import parameters_to_vector
 from fedfdp.aggregate import weighted_mean
 from fedfdp.algorithms.base import Algorithm
 from fedfdp.client import trainable
-from fedfdp.errors import require
-from fedfdp.privacy.accounting import DPEvent, epsilon_of
-from fedfdp.privacy.clipping import FlatClip
+from fedfdp.errors import ConfigError, require
+from fedfdp.privacy.accounting import DPEvent
+from fedfdp.privacy.epoch_dpsgd import EpochDPSGD
 from fedfdp.privacy.release import exponential_selection
-from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event, selection_event, steps_per_epoch
+from fedfdp.privacy.schedule import selection_event
 from fedfdp.privacy.validation import DPRelease
-from fedfdp.privacy.sampling import poisson_sample, whole_set
 from fedfdp.privacy.uploads import POST_PROCESSING
 from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
 
@@ -67,12 +67,9 @@ class ClusteredDPFL(Algorithm):
     Args:
         num_clusters: M, the number of cluster models.
         lr: local learning rate η_l.
-        batch_size: expected Poisson batch size b (q = b/N_i) of the normal rounds.
-        local_epochs: K local epochs per round (⌊N_i/b⌋ steps each).
-        max_grad_norm: per-sample clip bound c.
-        noise_multiplier: z for every client; null calibrates z_i per client in ``setup`` from
-            ``target_epsilon`` over the whole schedule of ``model.num_rounds`` rounds.
-        target_epsilon: ε the calibration aims at (null: the RDPAccounting callback's target).
+        privacy: the local DP-SGD, :class:`fedfdp.privacy.EpochDPSGD` (batch size b, local epochs K,
+            clip c, z or the target ε its z_i are calibrated to over the whole schedule of
+            ``model.num_rounds`` rounds); required: the family runs privately only.
         physical_batch_size: chunk size of the per-sample passes of a DP-SGD step (the full-batch
             round's gradient accumulation, ``LocalBatch.physical_batch_size``) and of the loss
             evaluations (memory only; results depend on it only through float summation order).
@@ -83,35 +80,39 @@ class ClusteredDPFL(Algorithm):
     #: cluster indices that are public (the server's) or charged selections. With ``selection:
     #: loss`` the indices are not private, and ``dp_valid`` (hence the claim) is false.
     evaluated_models_covered: ClassVar[bool] = True
+    released_models: ClassVar[str] = "clusters"
     full_batch_first_round: ClassVar[bool] = False
 
-    def __init__(self, *, num_clusters: int = 4, lr: float = 0.1, batch_size: int = 16, local_epochs: int = 1,
-                 max_grad_norm: float = 1.0, noise_multiplier: float | None = None,
-                 target_epsilon: float | None = None, physical_batch_size: int = 256) -> None:
+    def __init__(self, *, num_clusters: int = 4, lr: float = 0.1, privacy: EpochDPSGD | None = None,
+                 physical_batch_size: int = 256) -> None:
         require(num_clusters >= 1, f"algorithm.num_clusters must be >= 1, got {num_clusters}")
         require(lr > 0, f"algorithm.lr must be > 0, got {lr}")
-        require(batch_size >= 1, f"algorithm.batch_size must be >= 1, got {batch_size}")
-        require(local_epochs >= 1, f"algorithm.local_epochs must be >= 1, got {local_epochs}")
-        require(0 < max_grad_norm < math.inf, f"algorithm.max_grad_norm must be finite and > 0, got {max_grad_norm}")
-        require(noise_multiplier is None or noise_multiplier > 0,
-                f"algorithm.noise_multiplier must be > 0 or null, got {noise_multiplier}")
-        require(target_epsilon is None or target_epsilon > 0,
-                f"algorithm.target_epsilon must be > 0 or null, got {target_epsilon}")
+        if not isinstance(privacy, EpochDPSGD):
+            raise ConfigError(f"{type(self).__name__} is private: algorithm.privacy must be a "
+                              f"fedfdp.privacy.EpochDPSGD, got {'null' if privacy is None else type(privacy).__name__}")
         require(physical_batch_size >= 1, f"algorithm.physical_batch_size must be >= 1, got {physical_batch_size}")
         self.num_clusters = num_clusters
-        self.lr, self.batch_size, self.local_epochs = lr, batch_size, local_epochs
-        self.max_grad_norm, self.noise_multiplier, self.target_epsilon = max_grad_norm, noise_multiplier, target_epsilon
+        self.lr = lr
+        self.privacy = privacy
         self.physical_batch_size = physical_batch_size
         self.selection: Selection | None = None  # set by algorithms that select clusters by loss
         self.selection_epsilon: float | None = None
         self.selection_rounds: int | None = None
         self.cluster_models = torch.zeros(0)
         self.assignment = np.zeros(0, dtype=np.int64)
-        self.client_noise_multipliers = np.zeros(0)  # z_i, resolved in setup (noise_multiplier or calibrated)
         self.client_sizes: list[int] = []  # N_i, set in setup
-        self.planned_epsilon: float | None = None
         self.seed, self.num_rounds = 0, 0
         self._round: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The mechanism's expected batch size b (its rates ``q_i = b/N_i``)."""
+        return self.privacy.batch_size
+
+    @property
+    def planned_epsilon(self) -> float | None:
+        """The largest ε a client's whole schedule spends (the mechanism's, after :meth:`setup`)."""
+        return self.privacy.planned_epsilon
 
     # ---- set-up and privacy planning ------------------------------------------------------------
     def _init_selection(self, selection: Selection, selection_epsilon: float | None,
@@ -130,7 +131,8 @@ class ClusteredDPFL(Algorithm):
                 f"model.num_rounds must be set for {name}: its privacy schedule is planned for a fixed round count")
         self.num_rounds, self.seed = int(federation.num_rounds), int(federation.seed)
         accountant = federation.accountant
-        target = self.target_epsilon if self.target_epsilon is not None else accountant.target_epsilon
+        own_target = self.privacy.target_epsilon
+        target = own_target if own_target is not None else accountant.target_epsilon
         if self.selection == "private":
             if self.selection_epsilon is None:
                 require(target is not None, "algorithm.selection_epsilon must be set when no target_epsilon is given")
@@ -139,23 +141,13 @@ class ClusteredDPFL(Algorithm):
                 self.selection_rounds = max(1, self.num_rounds // 10)
         sizes = [int(s) for s in federation.datamodule.train_sizes]
         self.client_sizes = sizes
-        if self.noise_multiplier is None:
-            require(target is not None, "algorithm.target_epsilon (or RDPAccounting.target_epsilon) must be set "
-                                        "when algorithm.noise_multiplier is null")
-            by_size = {n: calibrate_noise_multiplier(lambda z, n=n: self.planned_schedule(z, n),
-                                                     target_epsilon=float(target), delta=accountant.delta,
-                                                     orders=accountant.orders) for n in set(sizes)}
-            self.client_noise_multipliers = np.array([by_size[n] for n in sizes])
-        else:
-            self.client_noise_multipliers = np.full(len(sizes), float(self.noise_multiplier))
-        self.planned_epsilon = max(epsilon_of(self.planned_schedule(float(z), n), accountant.delta, accountant.orders)
-                                   for z, n in zip(self.client_noise_multipliers, sizes))
-        for limit in (self.target_epsilon, accountant.target_epsilon):
-            require(limit is None or self.planned_epsilon <= limit + 1e-9,
-                    f"algorithm.noise_multiplier={self.noise_multiplier} spends epsilon={self.planned_epsilon:.4f} "
-                    f"over {self.num_rounds} rounds, over the target {limit}")
-        logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f at delta %g", name, self.client_noise_multipliers.min(),
-                    self.client_noise_multipliers.max(), self.planned_epsilon, accountant.delta)
+        self.privacy.resolve_noise(sizes, self.planned_schedule, target_epsilon=target, delta=accountant.delta,
+                                   orders=accountant.orders,
+                                   limits=[("algorithm.privacy.target_epsilon", own_target),
+                                           ("RDPAccounting.target_epsilon", accountant.target_epsilon)])
+        zs = self.privacy.client_noise_multipliers
+        logger.info("%s: z_i in [%.4f, %.4f], planned epsilon %.4f over %d rounds at delta %g", name, zs.min(),
+                    zs.max(), self.planned_epsilon, self.num_rounds, accountant.delta)
         initial = parameters_to_vector(trainable(federation.global_model)).detach()
         self.cluster_models = self.initial_models(initial, federation)
         self.assignment = self.initial_assignment(federation)
@@ -163,10 +155,7 @@ class ClusteredDPFL(Algorithm):
     def dp_releases(self) -> list[DPRelease]:
         """The local DP-SGD model update (z_i after calibration) and, with ``selection: loss``, the
         seed's unnoised cluster selection (an argmin of training losses: no guarantee)."""
-        sigma = float(self.client_noise_multipliers.min()) if len(self.client_noise_multipliers) else self.noise_multiplier
-        releases = [DPRelease(name="model update", noise_field="algorithm.noise_multiplier",
-                              noise_multiplier=sigma if sigma is not None else 0.0,
-                              bound_field="algorithm.max_grad_norm", clip_bound=self.max_grad_norm)]
+        releases = self.privacy.releases()
         if self.selection == "loss":
             releases.append(DPRelease(
                 name="cluster selection (argmin of training losses)", noise_field="algorithm.selection=loss: noise",
@@ -207,8 +196,7 @@ class ClusteredDPFL(Algorithm):
     def planned_schedule(self, noise_multiplier: float, dataset_size: int) -> list[DPEvent]:
         """Every DP event of a whole run for a client of size ``dataset_size`` (for calibration)."""
         def event(full: bool) -> DPEvent:
-            return dpsgd_round_event(noise_multiplier=noise_multiplier, dataset_size=dataset_size,
-                                     batch_size=self.batch_size, local_epochs=self.local_epochs, full_batch=full)
+            return self.privacy.round_event(noise_multiplier, dataset_size, full)
         first = 1 if self.full_batch_first_round else 0
         events = [event(True)] * first + [event(False).repeated(self.num_rounds - first)]
         if self.selection == "private":
@@ -221,11 +209,8 @@ class ClusteredDPFL(Algorithm):
 
         ``round_idx=None``: a normal round's training events only (no full batch, no selection).
         """
-        z = float(self.client_noise_multipliers[client_id]) if len(self.client_noise_multipliers) else self.noise_multiplier
-        events = [(MODEL_RELEASE, dpsgd_round_event(noise_multiplier=float(z), dataset_size=dataset_size,
-                                                    batch_size=self.batch_size, local_epochs=self.local_epochs,
-                                                    full_batch=round_idx is not None
-                                                    and self.is_full_batch(round_idx)))]
+        full = round_idx is not None and self.is_full_batch(round_idx)
+        events = [(MODEL_RELEASE, self.privacy.round_event(self.privacy.client_noise(client_id), dataset_size, full))]
         if round_idx is not None and self.selection == "private" and self.selects(round_idx):
             events.insert(0, (SELECTION_RELEASE, selection_event(float(self.selection_epsilon))))
         return events
@@ -297,7 +282,7 @@ class ClusteredDPFL(Algorithm):
             cluster = self._select(client, data, generator)
             client.set_flat_params(self.cluster_models[cluster])
         full = self.is_full_batch(context.round)
-        steps = self.local_epochs * (1 if full else steps_per_epoch(data.size, self.batch_size))
+        steps = self.privacy.steps(data.size, full)
         losses = [client.training_step(self.private_batch(data, full, generator)).loss for _ in range(steps)]
         return self._upload(client, data, context, cluster, losses)
 
@@ -327,10 +312,10 @@ class ClusteredDPFL(Algorithm):
         return StackedStepSpec(
             batch=lambda data, generator: self.private_batch(data, False, generator),
             update=lambda client, data, output: update(client, data, [output]),
-            sample_rate=min(1.0, self.batch_size / max(1, min(self.client_sizes, default=1))),  # the largest q_i
+            sample_rate=self.privacy.sample_rate(max(1, min(self.client_sizes, default=1))),  # the largest q_i
             steps=1,
-            update_steps=update, start=start, expected_batch=lambda n: min(1.0, self.batch_size / n) * n,
-            client_steps=lambda data: self.local_epochs * steps_per_epoch(data.size, self.batch_size))
+            update_steps=update, start=start, expected_batch=lambda n: self.privacy.sample_rate(n) * n,
+            client_steps=lambda data: self.privacy.steps(data.size, False))
 
     def _upload(self, client: ClientModule, data: ClientData, context: RoundContext, cluster: int,
                 losses: list[float]) -> ClientUpdate:
@@ -341,30 +326,11 @@ class ClusteredDPFL(Algorithm):
                             extras={"cluster": torch.tensor(cluster)})
 
     def private_batch(self, data: ClientData, full_batch: bool, generator: torch.Generator) -> LocalBatch:
-        """One DP-SGD step's input for client i (spec §0 and §1.2; the paper's notation).
-
-        The step ``θ ← θ − η_l · g̃`` with
-        ``g̃ = (1/b) [ Σ_{j∈B} clip(∇_θ ℓ(h(x_ij, θ), y_ij), c) + N(0, σ²_{i,DP} I_p) ]``,
-        ``clip(v, c) = min{‖v‖, c} · v/‖v‖`` (flat clipping at ``c`` = ``max_grad_norm``, so every
-        record adds at most ``c``) and ``σ_{i,DP} = c · z_i`` (the batch's ``noise_multiplier`` is the
-        client's calibrated z_i; the release forms the std), taken by :meth:`ClientModule.training_step`:
-
-        * normal round: ``B`` is a Poisson sample of rate ``q = min(1, b/N_i)`` (the next draw of
-          ``generator``) and the divisor is the *expected* batch size ``q·N_i`` (= b when b ≤ N_i);
-          accounted as the sampled Gaussian mechanism SGM(q, z_i), ⌊N_i/b⌋ steps per epoch;
-        * full-batch round (RC-DPFL round e = 1): ``B`` is all N_i records (q = 1), the divisor is
-          N_i; the clipped sum is accumulated over chunks of ``physical_batch_size`` records and the
-          noise drawn once (Appendix E); accounted as one Gaussian mechanism (q = 1) per epoch.
-
-        The noise is the step's next draw of ``generator``, after the batch's Poisson mask.
-        """
-        q = 1.0 if full_batch else min(1.0, self.batch_size / data.size)
-        # drawn by the mechanism: the whole set (q = 1) or a Poisson sample of rate q
-        x, y = whole_set(data) if full_batch else poisson_sample(data, q, generator)
-        return LocalBatch(x=x, y=y, lr=self.lr, clip_rule=FlatClip(self.max_grad_norm),
-                          noise_multiplier=float(self.client_noise_multipliers[data.client_id]),
-                          denominator=q * data.size, generator=generator,
-                          physical_batch_size=self.physical_batch_size, sample_rate=q)
+        """One DP-SGD step's input for client i: the mechanism's
+        (:meth:`fedfdp.privacy.EpochDPSGD.private_batch`, where the maths is written out) at this
+        algorithm's learning rate and physical chunk size."""
+        return self.privacy.private_batch(data, full_batch, generator, lr=self.lr,
+                                          physical_batch_size=self.physical_batch_size)
 
     @torch.no_grad()
     def _select(self, client: ClientModule, data: ClientData, generator: torch.Generator) -> int:
@@ -401,7 +367,7 @@ class ClusteredDPFL(Algorithm):
         self.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
-        """Cluster models and assignments (z_i are recomputed by ``setup``)."""
+        """Cluster models and assignments (z_i are recomputed by the mechanism in ``setup``)."""
         return {"cluster_models": self.cluster_models.clone(), "assignment": self.assignment.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

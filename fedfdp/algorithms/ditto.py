@@ -154,6 +154,7 @@ class Ditto(_Ditto, FedAvg):
     #: ``private_personal``: :meth:`covers_evaluated_models`). On the class, so that a subclass that
     #: overrides an evaluation hook loses it (fail-closed, :meth:`Algorithm.covers_evaluated_models`).
     evaluated_models_covered: ClassVar[bool] = True
+    kept_models: ClassVar[str | None] = "personal"
 
     def covers_evaluated_models(self) -> bool:
         """The class's declaration, for a private run whose personal steps are charged."""

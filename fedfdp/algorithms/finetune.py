@@ -72,6 +72,7 @@ class DPFedAvgFineTune(FedAvg):
     #: Each evaluated model is the released global model (EMA), or that model followed by the
     #: client's own chain of charged DP-SGD steps.
     evaluated_models_covered: ClassVar[bool] = True
+    kept_models: ClassVar[str | None] = "fine-tuned"
 
     def __init__(self, *, finetune_fraction: float = 0.2, finetune_lr: float | None = None,
                  lr: float = 1.0, privacy: SampleLevelDP | None = None) -> None:

@@ -132,6 +132,7 @@ class LocalOnly(_LocalOnly, FedAvg):
     #: (without, none is private: :meth:`covers_evaluated_models`). On the class, so that a subclass
     #: that overrides an evaluation hook loses it (fail-closed, :meth:`Algorithm.covers_evaluated_models`).
     evaluated_models_covered: ClassVar[bool] = True
+    released_models: ClassVar[str] = "own"
 
     def __init__(self, *, lr: float = 0.1, local_epochs: int = 1, batch_size: int = 64,
                  local_mode: LocalMode = "epoch", sample_rate: float = 0.05,

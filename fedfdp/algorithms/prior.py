@@ -61,6 +61,7 @@ class DPFedAvgPriorCorrection(FedAvg):
     #: Each client evaluates the released global model with offsets computed from its charged
     #: noisy label histogram and the public sum of all of them (post-processing).
     evaluated_models_covered: ClassVar[bool] = True
+    kept_models: ClassVar[str | None] = "prior-corrected"
 
     def __init__(self, *, prior_noise_multiplier: float = 20.0, prior_strength: float = 1.0,
                  lr: float = 1.0, privacy: SampleLevelDP | None = None) -> None:

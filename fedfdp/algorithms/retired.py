@@ -8,6 +8,11 @@ same run: the twin's default learning rate (1.0) is written out, since the merge
 to the non-private 0.1. It is applied to the configs that runs saved (a resume, a table built from
 committed runs), never silently to a config a user gives: :func:`retired_message` is the one line
 that refuses such a config.
+
+The clustered family (RC-DPFL, IFCA, KM-CDPFL, the oracle and local DP-SGD baselines) listed its
+local DP-SGD's options flat too; today they are ``privacy: {class_path: fedfdp.privacy.EpochDPSGD,
+init_args: {batch_size, local_epochs, max_grad_norm, noise_multiplier, target_epsilon}}``, with the
+same defaults, so the upgrade moves what was given and the run is the same.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ PRIVATE: frozenset[str] = frozenset({"FedFDP", "FedFDPFairAgg", "DPFedAvgFairAgg
 #: The mechanism's options, which moved from the algorithm into ``privacy.init_args``.
 MECHANISM_OPTIONS: tuple[str, ...] = ("sample_rate", "max_grad_norm", "noise_multiplier", "local_steps",
                                       "normalize_by", "normalize_constant")
+#: The clustered family: always private, its local DP-SGD's options moved into ``privacy``.
+CLUSTERED: frozenset[str] = frozenset({"ClusteredDPFL", "RCDPFL", "IFCA", "KMCDPFL", "OracleCDPFL", "LocalDPSGD"})
+#: The clustered family's mechanism options (:class:`fedfdp.privacy.EpochDPSGD`).
+CLUSTERED_OPTIONS: tuple[str, ...] = ("batch_size", "local_epochs", "max_grad_norm", "noise_multiplier",
+                                      "target_epsilon")
 PACKAGE = "fedfdp.algorithms."
 SAMPLE_LEVEL = "fedfdp.privacy.SampleLevelDP"
+EPOCH_LEVEL = "fedfdp.privacy.EpochDPSGD"
 
 
 def _name(class_path: Any) -> str | None:
@@ -41,6 +52,8 @@ def needs_upgrade(algorithm: Any) -> bool:
         return False
     name = _name(algorithm.get("class_path"))
     init_args = algorithm.get("init_args") or {}
+    if name in CLUSTERED:
+        return not isinstance(init_args.get("privacy"), dict) or any(k in init_args for k in CLUSTERED_OPTIONS)
     return name in TWINS or (name in PRIVATE and "privacy" not in init_args) \
         or (isinstance(init_args.get("privacy"), dict) and bool(_flat_options(name, init_args)))
 
@@ -68,18 +81,29 @@ def upgrade_algorithm(algorithm: dict[str, Any]) -> dict[str, Any]:
     name = _name(algorithm["class_path"])
     assert name is not None
     init_args = dict(algorithm.get("init_args") or {})
-    mechanism = {key: init_args.pop(key) for key in _flat_options(name, init_args)}
-    if name == "ALIDPFL":
-        mechanism.pop("local_steps", None)
+    if name in CLUSTERED:
+        return {**algorithm, "init_args": _with_mechanism(init_args, EPOCH_LEVEL, CLUSTERED_OPTIONS)}
+    flat = _flat_options(name, init_args)
+    if name == "ALIDPFL" and "local_steps" in flat:  # ALI-DPFL chooses its own step count
+        init_args.pop("local_steps")
+        flat.remove("local_steps")
     if name in TWINS:
         init_args.setdefault("lr", 1.0)  # the twin's default; the merged class defaults to 0.1
         name = TWINS[name]
+    return {**algorithm, "class_path": PACKAGE + name,
+            "init_args": _with_mechanism(init_args, SAMPLE_LEVEL, tuple(flat))}
+
+
+def _with_mechanism(init_args: dict[str, Any], class_path: str, options: tuple[str, ...]) -> dict[str, Any]:
+    """``init_args`` with ``options`` given flat moved into its ``privacy`` node of ``class_path``
+    (made when there is none; over a given node the flat options win, as an override would)."""
+    mechanism = {key: init_args.pop(key) for key in options if key in init_args}
     given = init_args.get("privacy")
-    if isinstance(given, dict):  # an old-spelling override onto a new-spelling config: the flat options win
+    if isinstance(given, dict):
         init_args["privacy"] = {**given, "init_args": {**(given.get("init_args") or {}), **mechanism}}
     else:
-        init_args["privacy"] = {"class_path": SAMPLE_LEVEL, "init_args": mechanism}
-    return {**algorithm, "class_path": PACKAGE + name, "init_args": init_args}
+        init_args["privacy"] = {"class_path": class_path, "init_args": mechanism}
+    return init_args
 
 
 def upgrade_key(key: str) -> str:

@@ -25,7 +25,7 @@ import yaml
 
 from fedfdp import strict_yaml
 
-from fedfdp.algorithms.retired import MECHANISM_OPTIONS
+from fedfdp.algorithms.retired import CLUSTERED_OPTIONS, MECHANISM_OPTIONS
 from fedfdp.errors import FedFDPError
 
 __all__ = ["OneLineErrorParser", "class_options", "closest", "config_file_problem", "config_paths", "explain_parse_error",
@@ -210,12 +210,17 @@ def _callable_error(path: str, problem: str) -> str:
         options = class_options(cls)
         listed = f" (its options: {', '.join(options)})" if options else ""
         return (f"{path}.init_args: {cls} has no option '{option.group(1)}'"
-                f"{_did_you_mean(option.group(1), options)}{_moved_to_mechanism(option.group(1), options)}{listed}")
+                f"{_option_hint(option.group(1), options)}{listed}")
     reason = " ".join(re.sub(r"\.?\s*Got value: .*$", "", problem, flags=re.DOTALL).split()).rstrip(".")
     return f"{path}: cannot use {cls or 'the given class'} ({reason})"
+def _option_hint(option: str, options: list[str]) -> str:
+    """Where an option the class lacks went (into its privacy mechanism), else the closest it has."""
+    return _moved_to_mechanism(option, options) or _did_you_mean(option, options)
+
+
 def _moved_to_mechanism(option: str, options: list[str]) -> str:
     """Where an option of the privacy mechanism is given now (``init_args.privacy.init_args.<option>``)."""
-    if option in MECHANISM_OPTIONS and "privacy" in options:
+    if option in (*MECHANISM_OPTIONS, *CLUSTERED_OPTIONS) and "privacy" in options:
         return f"; the privacy mechanism's options are given as init_args.privacy.init_args.{option}"
     return ""
 
@@ -247,7 +252,7 @@ def _class_path_error(key: str, text: str) -> str | None:
             options = class_options(class_path)
             listed = f" (its options: {', '.join(options)})" if options else ""
             return (f"{path}.init_args: {class_path} has no option '{option}'"
-                    f"{_did_you_mean(option, options)}{_moved_to_mechanism(option, options)}{listed}")
+                    f"{_option_hint(option, options)}{listed}")
     if param is not None and unusable is not None:
         return _callable_error(f"{path}.init_args.{param}", branch[unusable.end():])
     if param is not None:

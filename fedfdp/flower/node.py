@@ -253,7 +253,7 @@ class NodeClient:
         reason = self.ledger.refusal(events)
         if reason is not None:
             raise PrivacyBudgetError(reason)
-        self.ledger.charge(fed.start_round, events, self.run)
+        self.ledger.charge(fed.start_round, events, self.run, models=fed.algorithm.covered_models())
         return events, checked_one_off_release(fed.algorithm, fed, cid, events)
 
     def evaluate(self, params: torch.Tensor, splits: tuple[str, ...], state_key: ClientStateKey | None = None,

@@ -112,10 +112,12 @@ class NodeLedger:
                 f"target {self.target_epsilon} (spent {self.epsilon():.4f} in {len(self.entries)} releases, "
                 f"ledger {self.path})")
 
-    def charge(self, round_idx: int, events: Sequence[tuple[str, DPEvent]], run: str | None) -> None:
-        """Append the releases of one upload to the ledger file and fsync it, then count them."""
-        entries = [LedgerEntry(round=int(round_idx), client=self.partition_id, kind=kind, event=event, run=run)
-                   for kind, event in events]
+    def charge(self, round_idx: int, events: Sequence[tuple[str, DPEvent]], run: str | None, *,
+               models: str | None = None) -> None:
+        """Append the releases of one upload to the ledger file and fsync it, then count them
+        (``models``: the models their guarantee covers, ``Algorithm.covered_models``)."""
+        entries = [LedgerEntry(round=int(round_idx), client=self.partition_id, kind=kind, event=event, run=run,
+                               models=models) for kind, event in events]
         self._file.append(entries)
         for entry in entries:
             self._add(entry)
@@ -144,4 +146,5 @@ class NodeLedgerCallback(FederationCallback):
         """Write the upload's DP events (fsynced) before the reply is returned."""
         if update.client_id != self.ledger.partition_id:
             raise RuntimeError(f"node of partition {self.ledger.partition_id} asked to release client {update.client_id}")
-        self.ledger.charge(federation.current_round, update.dp_events, self.run)
+        self.ledger.charge(federation.current_round, update.dp_events, self.run,
+                           models=federation.algorithm.covered_models())

@@ -64,6 +64,8 @@ class RunLedger:
         self._spent: dict[int, float] = {}
         self._budget_spent: dict[int, float] = {}
         self.read_rounds: list[int] = []  # the round of every entry the file held when opened
+        #: the models every entry's guarantee covers (``Algorithm.covered_models``), set when the run starts
+        self.models: str | None = None
 
     # ---- in memory ------------------------------------------------------------------------------
     def counted(self, events: Iterable[tuple[str, DPEvent]]) -> list[DPEvent]:
@@ -177,8 +179,8 @@ class RunLedger:
         """Write ``events`` of client ``client_id`` to the ledger file (fsynced, unless ``sync`` is
         false: then :meth:`sync` makes them durable), then charge them and refresh its ε."""
         if self.file is not None:
-            self.file.append([LedgerEntry(round=round_idx, client=client_id, kind=kind, event=event)
-                              for kind, event in events], sync=sync)
+            self.file.append([LedgerEntry(round=round_idx, client=client_id, kind=kind, event=event,
+                                          models=self.models) for kind, event in events], sync=sync)
         self.record(client_id, events)
         self.refresh((client_id,))
 

@@ -15,8 +15,13 @@ them again uncounted. This file is the accountant's source of truth instead:
   from the file, so rounds that are replayed after a crash are charged again, never forgotten.
 
 Format: one JSON object per line,
-``{"round": t, "client": i, "kind": "model"|"loss"|..., "sigma": σ, "q": q, "steps": n}``; an event of
-the client unit (client-level DP) is charged to the whole population: ``"client": -1, "unit": "client"``.
+``{"round": t, "client": i, "kind": "model"|"loss"|..., "sigma": σ, "q": q, "steps": n, "unit": u, "models": m}``:
+``unit`` is what the event hides, ``record`` (one record of client i) or ``client`` (a whole client;
+such an event is charged to the whole population, ``"client": -1``); ``models`` names the models
+whose guarantee it is part of (:meth:`fedfdp.algorithms.Algorithm.covered_models`: ``global``,
+``clusters``, ``own``, ``global+personal``, ...; absent where the run did not say, e.g. lines
+migrated from a checkpoint). Files written before ``unit`` was on every line read as ``record``
+unless ``"client": -1``.
 A line cut short by a crash during the write was never fsynced, hence never released: it is
 dropped when the file is opened again. Several processes (:mod:`fedfdp.distributed`) each
 append to their own file (``<stem>.rank<r>.jsonl``); reading takes the union.
@@ -47,7 +52,9 @@ class LedgerEntry:
     """One charged release: ``event`` of kind ``kind`` made by ``client`` in round ``round``.
 
     ``run`` names the run that made it where one ledger outlives runs (a Flower node's ledger,
-    :mod:`fedfdp.flower.node_ledger`); None (not written) in a run directory's ledger.
+    :mod:`fedfdp.flower.node_ledger`); None (not written) in a run directory's ledger. ``models``:
+    the models whose guarantee the event is part of (None: not said). Its privacy unit follows from
+    ``client`` (:attr:`unit`).
     """
 
     round: int
@@ -55,14 +62,21 @@ class LedgerEntry:
     kind: str
     event: DPEvent
     run: str | None = None
+    models: str | None = None
+
+    @property
+    def unit(self) -> str:
+        """``client`` for an event charged to the population (client-level DP), else ``record``."""
+        return "client" if self.client == POPULATION else "record"
 
     def to_json(self) -> str:
         """The entry as one JSON line (without the newline)."""
         e = self.event
         record: dict[str, Any] = {"round": self.round, "client": self.client, "kind": self.kind,
                                   "sigma": float(e.noise_multiplier), "q": float(e.sample_rate), "steps": int(e.steps)}
-        if self.client == POPULATION:  # a client-unit event, charged to the whole population
-            record["unit"] = "client"
+        record["unit"] = self.unit
+        if self.models is not None:
+            record["models"] = self.models
         if self.run is not None:
             record["run"] = self.run
         return json.dumps(record)
@@ -74,7 +88,8 @@ class LedgerEntry:
         return cls(round=int(d["round"]), client=int(d["client"]), kind=str(d["kind"]),
                    event=DPEvent(noise_multiplier=float(d["sigma"]), sample_rate=float(d["q"]),
                                  steps=int(d["steps"])),
-                   run=None if d.get("run") is None else str(d["run"]))
+                   run=None if d.get("run") is None else str(d["run"]),
+                   models=None if d.get("models") is None else str(d["models"]))
 
 
 class LedgerFile:

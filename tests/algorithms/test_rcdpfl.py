@@ -20,7 +20,7 @@ from fedfdp.privacy.accounting import DPEvent, epsilon_of
 from fedfdp.privacy.schedule import calibrate_noise_multiplier, dpsgd_round_event
 from fedfdp.seeding import torch_generator
 from fedfdp.types import ClientData, ClientUpdate, RoundContext
-from tests.helpers import per_sample_grads
+from tests.helpers import per_sample_grads, clustered
 
 SIZES = (2, 3, 3)  # 8 clients in 3 clusters; cluster 0 is the minority
 N_TRAIN = 60
@@ -101,7 +101,7 @@ def test_two_stage_calibration_meets_the_target_and_costs_more_noise():
 
 
 def test_full_batch_round_charges_q_one_then_poisson_rounds():
-    alg = RCDPFL(**ALG, noise_multiplier=2.0, selection="loss")
+    alg = clustered(RCDPFL, **ALG, noise_multiplier=2.0, selection="loss")
     fed, accountant = fit(alg, rounds=2)
     q = 10 / N_TRAIN
     for cid in range(sum(SIZES)):
@@ -116,15 +116,16 @@ def test_full_batch_round_charges_q_one_then_poisson_rounds():
 
 @pytest.mark.slow
 def test_calibrated_run_spends_at_most_the_target_and_a_too_small_z_is_refused():
-    alg = RCDPFL(**ALG, noise_multiplier=None, selection="private", cluster_rounds=1)
+    alg = clustered(RCDPFL, **ALG, noise_multiplier=None, selection="private", cluster_rounds=1)
     fed, accountant = fit(alg, rounds=4, target=3.0)
     assert 2.9 < accountant.epsilon() <= 3.0  # the private selection of round 2 is charged too
     assert any(len(led.events) > 2 for led in accountant.ledgers.values())
-    ifca = IFCA(**ALG, selection="private", selection_rounds=2)  # selections in rounds 0 and 1 only
+    ifca = clustered(IFCA, **ALG, selection="private", selection_rounds=2)  # selections in rounds 0 and 1 only
     fed, accountant = fit(ifca, rounds=4, target=3.0)
     assert fed.total_rounds == 4 and 2.9 < accountant.epsilon() <= 3.0  # planning is not cut short
-    with pytest.raises(ConfigError, match="over the target"):
-        fit(RCDPFL(**ALG, noise_multiplier=0.5), rounds=4, target=3.0)
+    with pytest.raises(ConfigError, match=r"algorithm\.privacy\.noise_multiplier=0\.5 spends epsilon=.* over the "
+                                          r"whole schedule, over RDPAccounting\.target_epsilon=3\.0"):
+        fit(clustered(RCDPFL, **ALG, noise_multiplier=0.5), rounds=4, target=3.0)
 
 
 # ---- local update and aggregation ---------------------------------------------------------------
@@ -136,8 +137,8 @@ def test_full_batch_step_is_one_accumulated_pass_and_the_clipped_mean():
 
     def full_batch_step(chunk: int, z: float) -> tuple[torch.Tensor, torch.Tensor]:
         c = client()
-        alg = RCDPFL(**ALG, noise_multiplier=1.0, physical_batch_size=chunk)
-        alg.client_noise_multipliers = np.array([z])  # z_0 (set by setup in a run)
+        alg = clustered(RCDPFL, **ALG, noise_multiplier=1.0, physical_batch_size=chunk)
+        alg.privacy.client_noise_multipliers = np.array([z])  # z_0 (set by setup in a run)
         batch = alg.private_batch(data, True, torch_generator(0, "t"))
         assert torch.equal(batch.x, x) and batch.denominator == len(y) and batch.physical_batch_size == chunk
         start = c.get_flat_params()
@@ -152,7 +153,7 @@ def test_full_batch_step_is_one_accumulated_pass_and_the_clipped_mean():
 
 
 def test_cluster_aggregation_weights_add_to_one_per_cluster():
-    alg = OracleCDPFL(**ALG, noise_multiplier=1.0)
+    alg = clustered(OracleCDPFL, **ALG, noise_multiplier=1.0)
     alg.cluster_models = torch.zeros(3, 4)
     alg.assignment = np.zeros(5, dtype=np.int64)
     same = [ClientUpdate(client_id=i, params=torch.full((4,), 7.0), num_examples=n, extras={"cluster": torch.tensor(0)})
@@ -170,7 +171,7 @@ def test_cluster_aggregation_weights_add_to_one_per_cluster():
 
 def test_oracle_equals_per_cluster_dpfedavg():
     dm = digits()
-    fed, _ = fit(OracleCDPFL(**ALG, noise_multiplier=1.0), rounds=2, data=dm)
+    fed, _ = fit(clustered(OracleCDPFL, **ALG, noise_multiplier=1.0), rounds=2, data=dm)
     mechanism = SampleLevelDP(sample_rate=10 / N_TRAIN, max_grad_norm=1.0, noise_multiplier=1.0,
                               local_steps=N_TRAIN // 10)
     reference = FedAvg(lr=0.1, privacy=mechanism)
@@ -194,7 +195,7 @@ def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
     # seeds 0-5), so the claim is on the mean over three seeds
     accuracies = []
     for seed in (0, 1, 2):
-        alg = RCDPFL(**ALG, target_epsilon=8.0, selection="private")
+        alg = clustered(RCDPFL, **ALG, target_epsilon=8.0, selection="private")
         fed, accountant = fit(alg, rounds=6, callbacks=[ClusterMetrics(reference_epochs=1)], target=8.0, seed=seed)
         accuracies.append(fed.last_evaluation.scalars["gmm_clustering_accuracy"])
     assert np.mean(accuracies) >= 0.75, accuracies
@@ -204,7 +205,7 @@ def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
         assert np.isfinite(scalars[key])
     assert accountant.epsilon() <= 8.0
     state = alg.state_dict()
-    clone = RCDPFL(**ALG, noise_multiplier=1.0)
+    clone = clustered(RCDPFL, **ALG, noise_multiplier=1.0)
     clone.load_state_dict(state)
     assert torch.equal(clone.cluster_models, alg.cluster_models) and clone.e_c == alg.e_c
 
@@ -213,7 +214,7 @@ def test_rcdpfl_separates_rotations_and_reports_cluster_metrics():
 @pytest.mark.parametrize("cls", [IFCA, KMCDPFL, LocalDPSGD])
 def test_baselines_run_and_keep_one_model_per_group(cls):
     kwargs = {"selection": "loss"} if cls is IFCA else {}
-    fed, accountant = fit(cls(**ALG, noise_multiplier=1.0, **kwargs), rounds=2)
+    fed, accountant = fit(clustered(cls, **ALG, noise_multiplier=1.0, **kwargs), rounds=2)
     alg = fed.algorithm
     groups = alg.evaluation_groups(torch.zeros(1), sum(SIZES))
     assert sorted(c for ids, _ in groups for c in ids) == list(range(sum(SIZES)))
@@ -227,6 +228,6 @@ def test_baselines_run_and_keep_one_model_per_group(cls):
 
 def test_oracle_needs_true_clusters_and_rcdpfl_a_round_count():
     with pytest.raises(ConfigError, match="num_clusters"):
-        fit(OracleCDPFL(**(ALG | {"num_clusters": 2}), noise_multiplier=1.0), rounds=1)
+        fit(clustered(OracleCDPFL, **(ALG | {"num_clusters": 2}), noise_multiplier=1.0), rounds=1)
     with pytest.raises(ConfigError, match="cluster_rounds"):
-        RCDPFL(**ALG, cluster_rounds=0)
+        clustered(RCDPFL, **ALG, cluster_rounds=0)

@@ -74,6 +74,13 @@ CASES = [  # (id, extra args or callable(tmp) -> args, expected fragment of the 
     ("old flat mechanism option", [ALG + "noise_multiplier", "1.5"],
      "has no option 'noise_multiplier'; the privacy mechanism's options are given as "
      "init_args.privacy.init_args.noise_multiplier"),
+    ("old flat clustered option", lambda tmp: _config(tmp, "ifca.yaml", "model:\n  algorithm:\n    class_path: "
+                                                      "fedfdp.algorithms.IFCA\n    init_args: {num_clusters: 2, "
+                                                      "batch_size: 8}\n"),
+     "has no option 'batch_size'; the privacy mechanism's options are given as init_args.privacy.init_args.batch_size"),
+    ("clustered without mechanism", lambda tmp: _config(tmp, "ifca.yaml", "model:\n  algorithm:\n    class_path: "
+                                                        "fedfdp.algorithms.IFCA\n    init_args: {num_clusters: 2}\n"),
+     "IFCA is private: algorithm.privacy must be a fedfdp.privacy.EpochDPSGD, got"),
     ("delta >= 1", ["--trainer.callbacks.init_args.delta", "1.5"], "RDPAccounting.delta must be in (0, 1)"),
     ("target eps negative", ["--trainer.callbacks.init_args.target_epsilon", "-1"], "target_epsilon"),
     ("bad initial loss", [ALG + "initial_broadcast_loss", "huge"], "initial_broadcast_loss"),

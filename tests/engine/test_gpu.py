@@ -21,7 +21,7 @@ from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL
 from fedfdp.algorithms.finp import FinP
 from fedfdp.models import TinyCNN
 from fedfdp.privacy import SampleLevelDP
-from tests.helpers import tiny_client, tiny_data
+from tests.helpers import tiny_client, tiny_data, clustered
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +128,7 @@ def test_clustered_lockstep_on_cuda_equals_the_per_client_round():
     def fit(stacked: bool) -> tuple[torch.Tensor, list[int], float]:
         torch.manual_seed(0)
         fed = Federation(ClientModule(TinyCNN(channels=4)),
-                         IFCA(num_clusters=2, lr=0.2, batch_size=8, max_grad_norm=1.0, noise_multiplier=1.0,
+                         clustered(IFCA, num_clusters=2, lr=0.2, batch_size=8, max_grad_norm=1.0, noise_multiplier=1.0,
                               selection="private", selection_epsilon=1.0),
                          num_rounds=3, seed=0, eval_every=3, eval_train_splits=False, stacked_round=stacked)
         accountant = RDPAccounting(delta=1e-4)

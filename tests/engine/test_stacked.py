@@ -12,7 +12,7 @@ from callbacks import FederationCallback, NoisyLossReporting, RDPAccounting
 from fedfdp import ClientModule, FedAvg, FedFDP
 from fedfdp.grad_sample.engine import GhostEngine, VmapEngine
 from fedfdp.stacked import StackedRound
-from tests.helpers import TinyConvNet, flat, private, run_federation, tiny_data
+from tests.helpers import TinyConvNet, flat, private, run_federation, tiny_data, clustered
 
 DP = dict(lr=1.0, sample_rate=0.2, max_grad_norm=0.5, noise_multiplier=1.0)
 # C large: the fair factor 1 + λ(ℓ_j − F̄) (not C/‖g_j‖) binds, and λ = 1 makes it vary (and go negative)
@@ -349,10 +349,10 @@ def test_clustered_local_epochs_in_lockstep_equal_the_per_client_round(monkeypat
     from fedfdp.algorithms import IFCA, KMCDPFL, RCDPFL, LocalDPSGD
     from fedfdp.privacy.schedule import steps_per_epoch
 
-    make = {"rcdpfl": lambda: RCDPFL(**CLUSTERED, batch_size=batch_size, selection="private", cluster_rounds=1),
-            "ifca": lambda: IFCA(**CLUSTERED, batch_size=batch_size, selection="private"),
-            "kmcdpfl": lambda: KMCDPFL(**NO_SELECTION, batch_size=batch_size),
-            "local": lambda: LocalDPSGD(**NO_SELECTION, batch_size=batch_size)}[name]
+    make = {"rcdpfl": lambda: clustered(RCDPFL, **CLUSTERED, batch_size=batch_size, selection="private", cluster_rounds=1),
+            "ifca": lambda: clustered(IFCA, **CLUSTERED, batch_size=batch_size, selection="private"),
+            "kmcdpfl": lambda: clustered(KMCDPFL, **NO_SELECTION, batch_size=batch_size),
+            "local": lambda: clustered(LocalDPSGD, **NO_SELECTION, batch_size=batch_size)}[name]
     monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
     counter = CountStacked(monkeypatch)
     fed_s, up_s, acc_s = _fit_clustered(make(), stacked=True)

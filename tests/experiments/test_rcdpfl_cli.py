@@ -151,8 +151,9 @@ def test_every_local_dp_sgd_config_has_a_non_private_twin_that_changes_only_the_
         [c for c in dp["trainer"]["callbacks"] if not c["class_path"].endswith("RDPAccounting")]
     assert twin["model"]["algorithm"]["class_path"] == "fedfdp.algorithms.LocalOnly"
     loop = ("lr", "batch_size", "local_epochs")
+    dp_args = dp["model"]["algorithm"]["init_args"]  # the private loop's b and K are its mechanism's
     assert {k: twin["model"]["algorithm"]["init_args"][k] for k in loop} == \
-        {k: dp["model"]["algorithm"]["init_args"][k] for k in loop}
+        {k: {**dp_args, **dp_args["privacy"]["init_args"]}[k] for k in loop}
 
 
 def test_harness_runs_a_non_private_method_once_per_seed_and_computes_the_majority_label(tmp_path, capsys,

@@ -46,6 +46,16 @@ def _args(config: dict[str, Any]) -> dict[str, Any]:
     return config["model"]["algorithm"]["init_args"]
 
 
+def _loop(config: dict[str, Any]) -> dict[str, Any]:
+    """The local loop's options of a row: the algorithm's, with a clustered row's b and K from its
+    mechanism (``privacy: EpochDPSGD``)."""
+    args = _args(config)
+    privacy = args.get("privacy")
+    if isinstance(privacy, dict) and privacy["class_path"].endswith(".EpochDPSGD"):
+        return {**args, **(privacy.get("init_args") or {})}
+    return args
+
+
 def _mechanism(config: dict[str, Any]) -> dict[str, Any]:
     """The DP options of a row: its ``privacy`` node's (a private FedAvg) or the algorithm's own."""
     args = _args(config)
@@ -88,16 +98,17 @@ def test_the_rows_of_a_table_differ_only_in_the_method(dataset):
     for method in NON_PRIVATE & set(table):
         assert _callback(table[method], "RDPAccounting") is None and "max_grad_norm" not in _args(table[method])
         assert _args(table[method]).get("privacy") is None
-    batched = {m: c for m, c in table.items() if "batch_size" in _args(c)}
-    _same(batched, "batch_size", lambda c: _args(c)["batch_size"])
-    _same(batched, "local_epochs", lambda c: _args(c)["local_epochs"])
+    batched = {m: c for m, c in table.items() if "batch_size" in _loop(c)}
+    assert ALONE & set(table) <= set(batched) and "rcdpfl" in batched, sorted(batched)
+    _same(batched, "batch_size", lambda c: _loop(c)["batch_size"])
+    _same(batched, "local_epochs", lambda c: _loop(c)["local_epochs"])
 
 
 @pytest.mark.parametrize("dataset", sorted(TABLES))
 def test_dpfedavg_spells_the_batch_and_the_epoch_of_the_other_rows(dataset):
     table = TABLES[dataset]
     args = _mechanism(table["dpfedavg"])
-    batch, epochs = _args(table["rcdpfl"])["batch_size"], _args(table["rcdpfl"])["local_epochs"]
+    batch, epochs = _loop(table["rcdpfl"])["batch_size"], _loop(table["rcdpfl"])["local_epochs"]
     records = table["rcdpfl"]["data"]["init_args"]["train_per_client"]
     assert args["sample_rate"] == pytest.approx(batch / records, rel=1e-12), (dataset, args["sample_rate"], batch, records)
     assert args["local_steps"] == epochs * (records // batch), (dataset, args["local_steps"])

@@ -88,6 +88,9 @@ def test_deployed_algorithm_equals_simulation(name, tmp_path):
         flower_eps, sim_eps = client_epsilons(nodes), client_epsilons(LedgerFile(sim / "privacy_ledger.jsonl").read())
         assert flower_eps.keys() == sim_eps.keys() and all(
             flower_eps[c] == pytest.approx(sim_eps[c], rel=1e-12) for c in sim_eps)
+        sim_lines = LedgerFile(sim / "privacy_ledger.jsonl").read()  # the unit and models each event covers
+        assert {(e.unit, e.models) for e in nodes} == {(e.unit, e.models) for e in sim_lines} == {
+            ("record", sim_summary["privacy"]["record"]["models"])}
     states = sorted(p.name for p in ledgers.glob("client_state-*.pt"))
     assert len(states) == 3, states  # one state file per client, beside its ledger
 

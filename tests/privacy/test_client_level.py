@@ -177,7 +177,8 @@ def test_a_run_charges_every_round_once_and_reports_the_client_unit(tmp_path):
     assert summary["epsilon_unit"] == "client" and summary["dp_valid"]
     client = summary["privacy"]["client"]
     assert client == {"epsilon": acc.epsilon(), "delta": DELTA, "noise_multiplier": 1.0, "sampling_rate": q,
-                      "rounds": 4, "population": 120, "models_covered": "every model the run evaluates and reports"}
+                      "rounds": 4, "population": 120, "models_covered": "every model the run evaluates and reports",
+                      "models": "global"}
     assert summary["privacy"]["record"]["epsilon"] == acc.epsilon()
 
 

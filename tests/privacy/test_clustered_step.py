@@ -34,8 +34,8 @@ from fedfdp.algorithms.clustered import ClusteredDPFL
 from fedfdp.models import TinyCNN
 from fedfdp.privacy.clipping import FlatClip
 from fedfdp.seeding import randn, torch_generator
-from fedfdp.types import ClientData, LocalBatch, RoundContext, StepOutput
-from tests.helpers import per_sample_grads
+from fedfdp.types import ClientData, LocalBatch, StepOutput
+from tests.helpers import per_sample_grads, clustered
 
 FAMILY = [RCDPFL, IFCA, KMCDPFL, OracleCDPFL, LocalDPSGD]
 NUM_CLIENTS, N_I, BATCH, LR = 3, 40, 8, 0.1
@@ -66,11 +66,11 @@ class SpyClient(ClientModule):
 def local_round(cls: type[ClusteredDPFL], *, round_idx: int, clip: float, zs: list[float], client_id: int,
                 chunk: int, local_epochs: int, seed: int) -> tuple[ClusteredDPFL, SpyClient, ClientData]:
     """Client ``client_id``'s local update of round ``round_idx`` on random data, every step recorded."""
-    alg = cls(num_clusters=2, lr=LR, batch_size=BATCH, local_epochs=local_epochs, max_grad_norm=clip,
-              noise_multiplier=1.0, physical_batch_size=chunk)
+    alg = clustered(cls, num_clusters=2, lr=LR, batch_size=BATCH, local_epochs=local_epochs, max_grad_norm=clip,
+                    noise_multiplier=1.0, physical_batch_size=chunk)
     client = SpyClient()
     # the state ``setup`` would build: calibrated z_i, cluster models, assignment (and IFCA's selection)
-    alg.client_noise_multipliers = np.array(zs)
+    alg.privacy.client_noise_multipliers = np.array(zs)
     alg.cluster_models = client.get_flat_params().unsqueeze(0).repeat(NUM_CLIENTS, 1)
     alg.assignment = np.arange(NUM_CLIENTS) % 2
     alg.selection_epsilon, alg.selection_rounds = 1.0, 1
@@ -86,10 +86,10 @@ def local_round(cls: type[ClusteredDPFL], *, round_idx: int, clip: float, zs: li
 
 def check_steps(alg: ClusteredDPFL, client: SpyClient, data: ClientData, round_idx: int) -> None:
     """Invariants 1-3 of the module docstring for every recorded step."""
-    clip, z = alg.max_grad_norm, float(alg.client_noise_multipliers[data.client_id])
+    clip, z = alg.privacy.max_grad_norm, float(alg.privacy.client_noise_multipliers[data.client_id])
     full = alg.is_full_batch(round_idx)
     q = 1.0 if full else min(1.0, BATCH / N_I)
-    assert len(client.steps) == alg.local_epochs * (1 if full else N_I // BATCH)
+    assert len(client.steps) == alg.privacy.local_epochs * (1 if full else N_I // BATCH)
     for step in client.steps:
         batch, grads = step["batch"], step["grads"]
         if full:
@@ -127,7 +127,7 @@ def test_every_clustered_step_clips_to_c_and_adds_noise_of_std_c_z_i(cls, round_
 
 def test_the_full_batch_round_is_exercised():
     """RC-DPFL's round 0 is a full-batch round (q = 1), the others are not: both branches are checked above."""
-    assert RCDPFL(num_clusters=2).is_full_batch(0) and not RCDPFL(num_clusters=2).is_full_batch(1)
+    assert clustered(RCDPFL, num_clusters=2).is_full_batch(0) and not clustered(RCDPFL, num_clusters=2).is_full_batch(1)
     alg, client, data = local_round(RCDPFL, round_idx=0, clip=1.0, zs=[1.0, 2.0, 3.0], client_id=2, chunk=7,
                                     local_epochs=1, seed=0)
     assert len(client.steps) == 1 and client.steps[0]["batch"].x.shape[0] == N_I
@@ -143,7 +143,7 @@ class _NoClip(FlatClip):
 
 @pytest.mark.parametrize("round_idx", [0, 1])
 def test_the_checks_catch_a_step_without_clipping(monkeypatch, round_idx):
-    monkeypatch.setattr("fedfdp.algorithms.clustered.FlatClip", _NoClip)
+    monkeypatch.setattr("fedfdp.privacy.epoch_dpsgd.FlatClip", _NoClip)
     alg, client, data = local_round(RCDPFL, round_idx=round_idx, clip=0.05, zs=[1.0] * 3, client_id=0, chunk=5,
                                     local_epochs=1, seed=0)
     with pytest.raises(AssertionError, match="> c="):

@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from callbacks import FederationCallback, NoisyGlobalLossReporting, NoisyLossReporting, RDPAccounting
-from fedfdp.algorithms import (ALIDPFL, IFCA, QFFL, RCDPFL, ClusteredDPFL, Ditto, DPFedAvgAdaClip, DPFedAvgFairAgg,
+from fedfdp.algorithms import (ALIDPFL, IFCA, KMCDPFL, QFFL, RCDPFL, ClusteredDPFL, Ditto, DPFedAvgAdaClip, DPFedAvgFairAgg,
                                DPFedAvgFineTune, DPFedAvgPriorCorrection, FedAvg, FedDyn, FedFDP, FedFDPFairAgg,
                                FedProx, FinP, LocalOnly, Scaffold)
 from fedfdp.errors import ConfigError
 from fedfdp.grad_sample.engine import GhostEngine, VmapEngine, per_sample_cross_entropy
+from fedfdp.privacy import EpochDPSGD, SampleLevelDP
 from fedfdp.privacy.release import clipped_loss_sum, noisy_loss_release
 from fedfdp.privacy.validation import check_releases, sample_mixing_layers
 from fedfdp.seeding import torch_generator
@@ -109,10 +110,15 @@ def test_fedfdp_with_sigma_zero_and_a_target_is_refused_even_with_the_noisy_loss
     (lambda: NoisyGlobalLossReporting(noise_multiplier=0.0), "NoisyLossReporting.noise_multiplier"),
     (lambda: private(FinP, **DP, curvature_noise_multiplier=0.0), "algorithm.curvature_noise_multiplier"),
     (lambda: private(FinP, **DP, curvature_bound=math.inf), "algorithm.curvature_bound"),
-    (lambda: RCDPFL(num_clusters=2, noise_multiplier=0.0), "algorithm.noise_multiplier must be > 0"),
-    (lambda: IFCA(num_clusters=2, max_grad_norm=math.inf), "algorithm.max_grad_norm must be finite"),
+    (lambda: RCDPFL(num_clusters=2, privacy=EpochDPSGD(noise_multiplier=0.0)),
+     r"algorithm\.privacy\.noise_multiplier must be > 0"),
+    (lambda: IFCA(num_clusters=2, privacy=EpochDPSGD(max_grad_norm=math.inf)),
+     r"algorithm\.privacy\.max_grad_norm must be finite"),
+    (lambda: RCDPFL(num_clusters=2), "RCDPFL is private: algorithm.privacy must be a fedfdp.privacy.EpochDPSGD, got null"),
+    (lambda: KMCDPFL(num_clusters=2, privacy=SampleLevelDP()),
+     "algorithm.privacy must be a fedfdp.privacy.EpochDPSGD, got SampleLevelDP"),
 ], ids=["dpfedavg-C-inf", "loss-sigma-0", "loss-bound-inf", "global-loss-sigma-0", "finp-curvature-sigma-0",
-        "finp-curvature-bound-inf", "rcdpfl-sigma-0", "ifca-C-inf"])
+        "finp-curvature-bound-inf", "rcdpfl-sigma-0", "ifca-C-inf", "rcdpfl-no-mechanism", "kmcdpfl-other-mechanism"])
 def test_releases_refused_when_configured(make, field):
     with pytest.raises(ConfigError, match=field):
         make()
@@ -128,10 +134,10 @@ def test_fedfdp_paper_raw_clipping_is_refused_unless_allowed():
 
 @pytest.mark.parametrize("cls", [IFCA, RCDPFL], ids=lambda c: c.__name__)
 def test_clustered_unnoised_selection_is_declared_without_a_guarantee(cls):
-    loss = cls(num_clusters=2, noise_multiplier=1.0, selection="loss")
+    loss = cls(num_clusters=2, privacy=EpochDPSGD(noise_multiplier=1.0), selection="loss")
     with pytest.raises(ConfigError, match="algorithm.selection"):
         check_releases(loss.dp_releases())
-    check_releases(cls(num_clusters=2, noise_multiplier=1.0, selection="private").dp_releases())
+    check_releases(cls(num_clusters=2, privacy=EpochDPSGD(noise_multiplier=1.0), selection="private").dp_releases())
     assert issubclass(cls, ClusteredDPFL)
 
 

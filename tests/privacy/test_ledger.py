@@ -25,6 +25,7 @@ from fedfdp.algorithms import FedAvg, FedFDP
 from fedfdp.errors import DataError, DivergenceError, PrivacyError
 from fedfdp.privacy.accounting import DPEvent, PrivacyLedger, epsilon_of, uncovered_steps
 from fedfdp.privacy.ledger_file import LedgerEntry, LedgerFile
+from fedfdp.types import CLIENT_RELEASE, POPULATION
 from tests.conftest import REPO
 from tests.helpers import private, tiny_client, tiny_data
 from tests.cli.test_cli import TINY
@@ -49,6 +50,23 @@ def test_ledger_file_round_trip_and_a_torn_last_line_is_dropped(tmp_path):
     again.append([LedgerEntry(round=1, client=0, kind="loss", event=STEP)])
     again.close()
     assert len(LedgerFile(path).read()) == 4
+
+
+def test_every_line_says_its_unit_and_the_models_it_covers_and_old_lines_read_as_record(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    ledger = LedgerFile(path)
+    ledger.append([LedgerEntry(round=0, client=1, kind="model", event=STEP, models="clusters"),
+                   LedgerEntry(round=0, client=POPULATION, kind=CLIENT_RELEASE, event=STEP, models="global"),
+                   LedgerEntry(round=0, client=2, kind="model", event=STEP)])  # models not said (a migration)
+    ledger.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(d["unit"], d.get("models")) for d in lines] == [("record", "clusters"), ("client", "global"),
+                                                               ("record", None)]
+    assert [e.unit for e in LedgerFile(path).read()] == ["record", "client", "record"]
+    older = tmp_path / "older.jsonl"  # written before unit and models were on every line
+    older.write_text('{"round": 0, "client": 0, "kind": "model", "sigma": 1.0, "q": 0.2, "steps": 1}\n')
+    (entry,) = LedgerFile(older).read()
+    assert (entry.unit, entry.models) == ("record", None)
 
 
 def test_a_corrupt_complete_line_is_an_error_naming_the_file(tmp_path):
@@ -123,6 +141,45 @@ def test_a_round_aborted_after_the_releases_is_charged(tmp_path):
     aborted = int(str(err.value).split("round ")[1].split(":")[0]) - 1  # "round 2: client ..." (1-based)
     entries = LedgerFile(ledger).read()
     assert {(e.round, e.client) for e in entries} == {(r, c) for r in range(aborted + 1) for c in range(3)}
+
+
+def _ledger_of(algorithm, tmp_path, data=None) -> list[dict]:
+    """The ledger lines of a 2-round run of ``algorithm`` (accountant only; ε 30 leaves room)."""
+    ledger = tmp_path / "privacy_ledger.jsonl"
+    fed = Federation(tiny_client(), algorithm, num_rounds=2, eval_every=100)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, max_epochs=-1, num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=[RDPAccounting(ledger_path=str(ledger), target_epsilon=30.0,
+                                                                    delta=1e-4)])
+    trainer.fit(fed, datamodule=data or tiny_data())
+    return [json.loads(line) for line in ledger.read_text().splitlines()]
+
+
+def _ledger_cases():
+    from fedfdp.algorithms import IFCA, Ditto, LocalDPSGD, LocalOnly
+    from fedfdp.privacy import ClientLevelDP
+    from tests.helpers import clustered
+
+    mechanism = dict(sample_rate=0.2, max_grad_norm=1.0, noise_multiplier=1.0)
+    epochs = dict(num_clusters=2, batch_size=16, noise_multiplier=1.0)
+    return {  # name → (algorithm, the models its events cover, their unit)
+        "dp-fedavg": (lambda: private(FedAvg, lr=1.0, **mechanism), "global", "record"),
+        "client-level": (lambda: FedAvg(lr=0.5, privacy=ClientLevelDP(clients_per_round=2, clip_norm=1.0,
+                                                                        noise_multiplier=1.0)), "global", "client"),
+        "ifca": (lambda: clustered(IFCA, **epochs, selection_epsilon=1.0), "clusters", "record"),
+        "local-dp-sgd": (lambda: clustered(LocalDPSGD, **epochs), "own", "record"),
+        "local-only": (lambda: private(LocalOnly, lr=1.0, **mechanism), "own", "record"),
+        "ditto-personal-charged": (lambda: private(Ditto, lr=1.0, **mechanism), "global+personal", "record"),
+        "ditto-personal-kept": (lambda: private(Ditto, lr=1.0, private_personal=False, personal_lr=0.05, **mechanism), "global",
+                                "record"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_ledger_cases()))
+def test_every_charged_event_names_its_unit_and_the_models_it_covers(tmp_path, name):
+    make, models, unit = _ledger_cases()[name]
+    lines = _ledger_of(make(), tmp_path)
+    assert lines and {(d["unit"], d["models"]) for d in lines} == {(unit, models)}
 
 
 def test_resuming_from_an_older_checkpoint_recharges_the_replayed_rounds(tmp_path):

@@ -18,13 +18,12 @@ import yaml
 
 from fedfdp import algorithms
 from fedfdp.algorithms.fedavg import FedAvg
-from fedfdp.algorithms.retired import MECHANISM_OPTIONS, TWINS, upgrade_config, upgrade_key
+from fedfdp.algorithms.clustered import ClusteredDPFL
+from fedfdp.algorithms.retired import CLUSTERED_OPTIONS, MECHANISM_OPTIONS, TWINS, upgrade_config, upgrade_key
 from fedfdp.errors import ConfigError
-from fedfdp.privacy import PrivacyMechanism, SampleLevelDP
+from fedfdp.privacy import EpochDPSGD, PrivacyMechanism, SampleLevelDP
 
 REPO = Path(__file__).resolve().parents[2]
-#: Private by construction, with their own per-client calibration of z_i (RC-DPFL spec), not DP-SGD's σ.
-CLUSTERED = {"ClusteredDPFL", "IFCA", "KMCDPFL", "RCDPFL", "LocalDPSGD", "OracleCDPFL"}
 #: FedFair's dynamic learning rate scales a step by its batch's loss, which no per-sample clip bounds:
 #: its private form is another algorithm of the paper, FedFDP (fair per-sample clipping, Algorithm 2).
 NON_PRIVATE = {"FedFair"}
@@ -33,6 +32,19 @@ NON_PRIVATE = {"FedFair"}
 def _classes() -> dict[str, type]:
     return {name: obj for name, obj in algorithms.load_all().items()
             if inspect.isclass(obj) and issubclass(obj, algorithms.Algorithm) and obj is not algorithms.Algorithm}
+
+
+def _init_options(cls: type) -> set[str]:
+    """Every option ``cls(...)`` takes, following ``**kwargs`` up the classes it is passed to."""
+    options: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters
+        options |= {n for n, p in parameters.items() if p.kind is not p.VAR_KEYWORD and n != "self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            break
+    return options
 
 
 def _instantiate(node: dict[str, Any]) -> Any:
@@ -47,11 +59,13 @@ def test_no_twin_class_is_left_and_every_other_algorithm_takes_privacy():
     classes = _classes()
     assert not set(TWINS) & set(classes), "a retired twin is registered again"
     for name, cls in classes.items():
-        if name in CLUSTERED | NON_PRIVATE:
+        if name in NON_PRIVATE:
             continue
-        assert "privacy" in inspect.signature(cls).parameters, f"{name} cannot be given a privacy mechanism"
-        assert not set(MECHANISM_OPTIONS) - {"sample_rate"} & set(inspect.signature(cls).parameters), \
-            f"{name} lists the mechanism's options itself"
+        own = _init_options(cls)
+        assert "privacy" in own, f"{name} cannot be given a privacy mechanism"
+        assert not set(MECHANISM_OPTIONS) - {"sample_rate"} & own, f"{name} lists the mechanism's options itself"
+        if issubclass(cls, ClusteredDPFL):  # the family's local DP-SGD options are its mechanism's
+            assert not set(CLUSTERED_OPTIONS) & own, f"{name} lists the mechanism's options itself"
 
 
 @pytest.mark.parametrize("name", sorted(set(TWINS)))
@@ -105,7 +119,7 @@ def _saved_configs() -> list[Path]:
 def test_every_config_a_committed_run_saved_reads_as_an_algorithm_of_today():
     paths = _saved_configs()
     assert len(paths) > 100
-    old = 0
+    old = clustered_old = 0
     for path in paths:
         saved = yaml.safe_load(path.read_text())
         node = saved["model"]["algorithm"]
@@ -118,7 +132,30 @@ def test_every_config_a_committed_run_saved_reads_as_an_algorithm_of_today():
             for key, value in mechanism.items():  # the options the run trained with, now the mechanism's
                 assert getattr(alg.privacy, key) == value, (path, key)
             assert alg.lr == node["init_args"].get("lr", 1.0), path  # the twins' default lr stays the run's
+        if isinstance(alg, ClusteredDPFL) and "privacy" not in (node.get("init_args") or {}):
+            clustered_old += 1
+            flat = {k: v for k, v in (node.get("init_args") or {}).items() if k in CLUSTERED_OPTIONS}
+            assert isinstance(alg.privacy, EpochDPSGD), path
+            for key in CLUSTERED_OPTIONS:  # what the run trained with (given or the unchanged default)
+                assert getattr(alg.privacy, key) == flat.get(key, getattr(EpochDPSGD(), key)), (path, key)
     assert old > 50  # the old spelling is really exercised
+    assert clustered_old > 10  # the clustered family's runs too (RC-DPFL's tables)
+
+
+def test_a_clustered_config_of_the_old_spelling_moves_its_dp_sgd_options_into_the_mechanism():
+    old = {"model": {"algorithm": {"class_path": "fedfdp.algorithms.RCDPFL", "init_args": {
+        "num_clusters": 4, "lr": 0.005, "batch_size": 32, "max_grad_norm": 1.0, "noise_multiplier": None,
+        "selection": "loss"}}}}
+    node = upgrade_config(old)["model"]["algorithm"]
+    assert node == {"class_path": "fedfdp.algorithms.RCDPFL", "init_args": {
+        "num_clusters": 4, "lr": 0.005, "selection": "loss", "privacy": {
+            "class_path": "fedfdp.privacy.EpochDPSGD",
+            "init_args": {"batch_size": 32, "max_grad_norm": 1.0, "noise_multiplier": None}}}}
+    bare = upgrade_config({"model": {"algorithm": {"class_path": "fedfdp.algorithms.LocalDPSGD"}}})
+    assert bare["model"]["algorithm"]["init_args"] == {"privacy": {"class_path": "fedfdp.privacy.EpochDPSGD",
+                                                                   "init_args": {}}}
+    today = upgrade_config(old)
+    assert upgrade_config(today) is today
 
 
 def test_a_config_of_today_is_left_as_it_is_even_with_the_non_private_rate_written_out():
