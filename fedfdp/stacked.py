@@ -284,7 +284,10 @@ class StackedRound:
         outputs: list[list[StepOutput]] = [[] for _ in client_ids]
         for step in range(max(counts, default=0)):
             active = [k for k, count in enumerate(counts) if count > step]
-            batches = [spec.batch(data[k], generators[k]) for k in active]
+            batches = []
+            for k in active:  # in the client's trace: what a step's batch half releases (e.g. the
+                with resumed(traces[k]):  # previous step's count) is the client's
+                    batches.append(spec.batch(data[k], generators[k]))
             losses, norms, segments, factors, sums = self._clipped_sums(federation, [models[k] for k in active],
                                                                         batches)
             for j, (k, batch, (lo, hi)) in enumerate(zip(active, batches, segments)):

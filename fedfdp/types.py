@@ -180,7 +180,13 @@ class ClientUpdate:
 
 @dataclass(frozen=True)
 class StackedStepSpec:
-    """An algorithm's one private step per client from ``w_t``, in two halves a stacked round can interleave.
+    """An algorithm's local step, written once: the per-client, stacked and sweep rounds schedule it.
+
+    (Also :data:`LocalStep`.) Per client (:func:`fedfdp.algorithms.base.run_local_step`): ``start``,
+    then the client's steps one after another (``batch``, the private step, ...), then the upload.
+    In a stacked round (:mod:`fedfdp.stacked`) and a sweep (:mod:`fedfdp.sweep`) the clients take
+    the same steps in lockstep, each step of every client one engine pass; ``stackable`` False
+    keeps a step the engine cannot interleave (a full-batch step accumulated in chunks) per client.
 
     Attributes:
         batch: ``(data, generator) -> LocalBatch``: draws the client's Poisson batch from
@@ -207,6 +213,7 @@ class StackedStepSpec:
             ``client_start_params``.
         expected_batch: ``N_i -> expected batch size`` of a client with ``N_i`` records, for the
             planning of the engine passes (default ``q·N_i`` with q = ``sample_rate``).
+        stackable: whether a stacked round may interleave the step (False: per client only).
     """
 
     batch: Callable[[ClientData, RandomSource], LocalBatch]
@@ -217,6 +224,7 @@ class StackedStepSpec:
     client_steps: Callable[[ClientData], int] | None = None
     start: Callable[[Any, ClientData, RandomSource], Tensor] | None = None
     expected_batch: Callable[[int], float] | None = None
+    stackable: bool = True
 
     @property
     def lockstep(self) -> bool:
@@ -230,3 +238,7 @@ class StackedStepSpec:
     def expected_batch_size(self, num_records: int) -> float:
         """The expected Poisson batch of a client with ``num_records`` records (planning only)."""
         return self.sample_rate * num_records if self.expected_batch is None else float(self.expected_batch(num_records))
+
+
+#: The algorithm's local step (:class:`StackedStepSpec`), by the name the algorithms write it under.
+LocalStep = StackedStepSpec

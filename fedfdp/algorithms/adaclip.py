@@ -104,7 +104,7 @@ from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.sampling import drawn_rate
 from fedfdp.seeding import RandomSource
 from fedfdp.privacy.uploads import POST_PROCESSING
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, LocalStep, RoundContext, StepOutput
 
 CountAccounting = Literal["split", "separate"]
 COUNT_ACCOUNTINGS: tuple[str, ...] = ("split", "separate")
@@ -283,22 +283,45 @@ class DPFedAvgAdaClip(FedAvg):
         """``q|D_i|``, the public divisor of (A4)."""
         return max(self.mechanism.sample_rate * dataset_size, 1e-12)
 
-    def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: RandomSource) -> ClientUpdate:
+    def local_step(self, context: RoundContext) -> LocalStep:
         """``local_steps`` private steps, each followed by its count release (A3); with ``bound_scope:
-        client`` the client's bound is updated (A4)-(A5) after every step."""
-        bound = self.round_bound(data.client_id, context)
-        outputs, used, counts = [], [], []
-        for _ in range(self.local_steps):
-            batch = self.step_batch(data, bound, generator)
-            outputs.append(client.training_step(batch))
-            used.append(bound)
-            if self.adaptive:
-                counts.append(self.release_count(batch, data))
-                if self.bound_scope == "client":
-                    bound = self.next_bound(bound, unclipped_fraction_estimate(counts[-1],
-                                                                               self.expected_count(data.size)))
-        return self.adaptive_update(client, data, outputs, used, counts, bound)
+        client`` the client's bound is updated (A4)-(A5) after every step.
+
+        Per client: the round's bound first (at its first batch), then for each step its batch at
+        the current bound, the step, and the step's count released from the client's generator
+        after the step's model noise (at the next step's batch, or at the upload for the last one,
+        so the draws keep that order on every scheduler), then :meth:`adaptive_update`.
+        """
+        state: dict[int, dict[str, Any]] = {}  # per client: bound, bounds used, counts, last batch
+
+        def release_pending(data: ClientData) -> None:
+            """The count of the step just taken (A3) and, client scope, the next bound (A4)-(A5)."""
+            own = state[data.client_id]
+            last, own["last"] = own["last"], None
+            if last is None or not self.adaptive:
+                return
+            own["counts"].append(self.release_count(last, data))
+            if self.bound_scope == "client":
+                own["bound"] = self.next_bound(own["bound"], unclipped_fraction_estimate(
+                    own["counts"][-1], self.expected_count(data.size)))
+
+        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
+            if data.client_id not in state:
+                state[data.client_id] = {"bound": self.round_bound(data.client_id, context), "used": [], "counts": [],
+                                         "last": None}
+            release_pending(data)
+            own = state[data.client_id]
+            own["last"] = self.step_batch(data, own["bound"], generator)
+            own["used"].append(own["bound"])
+            return own["last"]
+
+        def update(client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
+            release_pending(data)
+            own = state.pop(data.client_id)
+            return self.adaptive_update(client, data, outputs, own["used"], own["counts"], own["bound"])
+
+        return LocalStep(batch=batch, update=lambda client, data, output: update(client, data, [output]),
+                         sample_rate=self.mechanism.sample_rate, steps=self.local_steps, update_steps=update)
 
     def adaptive_update(self, client: ClientModule, data: ClientData, outputs: list[StepOutput], used: list[float],
                         counts: list[float], bound: float) -> ClientUpdate:
@@ -313,30 +336,6 @@ class DPFedAvgAdaClip(FedAvg):
         if self.bound_scope == "client":
             update.extras[BOUND_KEY] = torch.tensor(bound, dtype=torch.float64)
         return update
-
-    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """One private step per client from ``w_t`` (``local_steps = 1``): the count is released in the
-        update half, from the client's generator after its model noise, as in :meth:`local_update`."""
-        if self.local_steps != 1 or type(self).local_update is not DPFedAvgAdaClip.local_update:
-            return None
-        pending: dict[int, tuple[LocalBatch, float]] = {}
-
-        def batch(data: ClientData, generator: RandomSource) -> LocalBatch:
-            bound = self.round_bound(data.client_id, context)
-            pending[data.client_id] = (self.step_batch(data, bound, generator), bound)
-            return pending[data.client_id][0]
-
-        def update(client: ClientModule, data: ClientData, output: StepOutput) -> ClientUpdate:
-            step, bound = pending.pop(data.client_id)
-            counts, new_bound = [], bound
-            if self.adaptive:
-                counts.append(self.release_count(step, data))
-                if self.bound_scope == "client":
-                    new_bound = self.next_bound(bound, unclipped_fraction_estimate(
-                        counts[0], self.expected_count(data.size)))
-            return self.adaptive_update(client, data, [output], [bound], counts, new_bound)
-
-        return StackedStepSpec(batch=batch, update=update, sample_rate=self.mechanism.sample_rate)
 
     # ---- server half ------------------------------------------------------------------------
     def on_round_end(self, updates: list[ClientUpdate], context: RoundContext) -> dict[str, float]:

@@ -6,6 +6,8 @@ one module and writing one config; the federation loop (:mod:`fedfdp.federation`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
@@ -16,7 +18,7 @@ from fedfdp.privacy.accounting import DPEvent
 from fedfdp.privacy.mechanism import checked_one_off_release
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec
+from fedfdp.types import ClientData, ClientUpdate, LocalStep, RoundContext, StackedStepSpec
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
@@ -125,20 +127,34 @@ class Algorithm:
         return {}
 
     # ---- client half ------------------------------------------------------------------------
+    def local_step(self, context: RoundContext) -> LocalStep | None:
+        """This round's local training as steps, written once (:class:`~fedfdp.types.LocalStep`):
+        :meth:`local_update` runs it per client (:func:`run_local_step`) and a stacked round or a
+        sweep runs the same steps in lockstep (:meth:`stackable_step`). None (the default): the
+        algorithm writes :meth:`local_update` itself and its rounds run per client."""
+        return None
+
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
-        """Train ``client`` (holding ``w_t``) on ``data``; return the upload."""
-        raise NotImplementedError
+        """Train ``client`` (holding ``w_t``) on ``data``; return the upload: :meth:`local_step` run
+        for this client alone, where the algorithm writes one."""
+        step = self.local_step(context)
+        if step is None:
+            raise NotImplementedError(f"{type(self).__name__} writes neither local_step nor local_update")
+        return run_local_step(step, client, data, generator)
 
     def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """This round's local update as one private step per client from ``w_t``, if it is one.
+        """This round's :meth:`local_step` for a stacked round or a sweep to run in lockstep, if they may.
 
-        Returning a :class:`~fedfdp.types.StackedStepSpec` lets the federation run the round's
-        private steps as one pass over the union of the clients' batches (:mod:`fedfdp.stacked`);
-        it must then do exactly what :meth:`local_update` does. None (the default) keeps the
-        per-client path.
+        None when the algorithm writes no step, when the step is per client only (``stackable``
+        False), or when a subclass replaced :meth:`local_update` below the class that wrote the
+        step: its own loop must then run, per client (extension code is not assumed to keep the two
+        equal). Lockstep runs exactly what :func:`run_local_step` runs, so the two paths agree.
         """
-        return None
+        if _replaced_below(type(self), "local_update", "local_step"):
+            return None
+        step = self.local_step(context)
+        return step if step is not None and step.stackable else None
 
     def planned_dp_events(self, client_id: int, dataset_size: int) -> list[tuple[str, DPEvent]]:
         """The DP events of one round of local training (empty for non-private algorithms)."""
@@ -258,3 +274,36 @@ class Algorithm:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+
+
+def run_local_step(step: LocalStep, client: ClientModule, data: ClientData, generator: RandomSource) -> ClientUpdate:
+    """One client's round of ``step`` alone (the per-client scheduler of a :class:`~fedfdp.types.LocalStep`).
+
+    ``start`` (its model set on ``client``), then the client's ``steps_of(data)`` steps, each on
+    ``batch(data, generator)``, then the upload: ``update_steps`` of every step's output for a
+    lockstep step, else ``update`` of the one output. The stacked engine (:mod:`fedfdp.stacked`)
+    makes the same calls in the same order per client, interleaving the clients.
+    """
+    if step.start is not None:
+        client.set_flat_params(step.start(client, data, generator))
+    outputs = [client.training_step(step.batch(data, generator)) for _ in range(step.steps_of(data))]
+    if step.lockstep:
+        assert step.update_steps is not None, "a lockstep LocalStep needs update_steps"
+        return step.update_steps(client, data, outputs)
+    return step.update(client, data, outputs[0])
+
+
+def after_upload(step: LocalStep, hook: Callable[[ClientUpdate], ClientUpdate]) -> LocalStep:
+    """``step`` with ``hook`` applied to every client's upload once its steps are taken, on every
+    scheduler (e.g. keeping the model as the client's own)."""
+    one, every = step.update, step.update_steps
+    return replace(step, update=lambda client, data, output: hook(one(client, data, output)),
+                   update_steps=None if every is None else lambda client, data, outputs: hook(every(client, data, outputs)))
+
+
+def _replaced_below(cls: type, method: str, written: str) -> bool:
+    """Whether the class that defines ``method`` last in ``cls``'s MRO comes before (is more derived
+    than) the one that defines ``written`` last: ``method`` was replaced below where ``written`` is."""
+    def owner(name: str) -> int:
+        return next(i for i, klass in enumerate(cls.__mro__) if name in vars(klass))
+    return owner(method) < owner(written)

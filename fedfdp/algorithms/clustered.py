@@ -47,7 +47,7 @@ from fedfdp.privacy.release import exponential_selection
 from fedfdp.privacy.schedule import selection_event
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.privacy.uploads import POST_PROCESSING
-from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import MODEL_RELEASE, ClientData, ClientUpdate, LocalBatch, LocalStep, RoundContext, StepOutput
 
 if TYPE_CHECKING:
     from fedfdp.client import ClientModule
@@ -270,33 +270,17 @@ class ClusteredDPFL(Algorithm):
         return self.assignment.copy()
 
     # ---- client half ----------------------------------------------------------------------------
-    def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: torch.Generator) -> ClientUpdate:
-        """(Select a cluster,) then K epochs of DP-SGD from its model (full batch in a full-batch round).
+    def local_step(self, context: RoundContext) -> LocalStep:
+        """(Select a cluster,) then K epochs of DP-SGD from its model, written once for every scheduler.
 
-        Every step is :meth:`ClientModule.training_step` on :meth:`private_batch`: K steps on all
-        N_i records in a full-batch round, else K·⌊N_i/b⌋ steps on Poisson batches.
+        Per client: the cluster selection first (its evaluations and charged draw from the client's
+        generator; the start model is the chosen cluster's, else the assigned one's), then its own
+        ``K·⌊N_i/b⌋`` steps on Poisson batches (K steps on all N_i records in a full-batch round),
+        each :meth:`ClientModule.training_step` on :meth:`private_batch`, then the upload with the
+        cluster index and the round's DP events. A full-batch round (its chunked accumulation) runs
+        per client only.
         """
-        cluster = int(self.assignment[data.client_id])
-        if self.selects(context.round):
-            cluster = self._select(client, data, generator)
-            client.set_flat_params(self.cluster_models[cluster])
         full = self.is_full_batch(context.round)
-        steps = self.privacy.steps(data.size, full)
-        losses = [client.training_step(self.private_batch(data, full, generator)).loss for _ in range(steps)]
-        return self._upload(client, data, context, cluster, losses)
-
-    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """:meth:`local_update` of a normal round as lockstep steps of a stacked round (accelerators).
-
-        Per client, as in :meth:`local_update`: the cluster selection first (its evaluations and
-        charged draw from the client's generator; the start model is the chosen cluster's), then
-        its own ``K·⌊N_i/b⌋`` steps on :meth:`private_batch`, then the upload with the cluster
-        index and the round's DP events. None in a full-batch round (its chunked accumulation runs
-        per client) and when a subclass replaces :meth:`local_update`.
-        """
-        if type(self).local_update is not ClusteredDPFL.local_update or self.is_full_batch(context.round):
-            return None
         clusters: dict[int, int] = {}
 
         def start(client: ClientModule, data: ClientData, generator: torch.Generator) -> Tensor:
@@ -307,15 +291,16 @@ class ClusteredDPFL(Algorithm):
             return self.cluster_models[cluster]
 
         def update(client: ClientModule, data: ClientData, outputs: list[StepOutput]) -> ClientUpdate:
-            return self._upload(client, data, context, clusters[data.client_id], [o.loss for o in outputs])
+            return self._upload(client, data, context, clusters.pop(data.client_id), [o.loss for o in outputs])
 
-        return StackedStepSpec(
-            batch=lambda data, generator: self.private_batch(data, False, generator),
+        return LocalStep(
+            batch=lambda data, generator: self.private_batch(data, full, generator),
             update=lambda client, data, output: update(client, data, [output]),
-            sample_rate=self.privacy.sample_rate(max(1, min(self.client_sizes, default=1))),  # the largest q_i
+            sample_rate=1.0 if full else self.privacy.sample_rate(max(1, min(self.client_sizes, default=1))),  # largest q_i
             steps=1,
-            update_steps=update, start=start, expected_batch=lambda n: self.privacy.sample_rate(n) * n,
-            client_steps=lambda data: self.privacy.steps(data.size, False))
+            update_steps=update, start=start,
+            expected_batch=lambda n: n if full else self.privacy.sample_rate(n) * n,
+            client_steps=lambda data: self.privacy.steps(data.size, full), stackable=not full)
 
     def _upload(self, client: ClientModule, data: ClientData, context: RoundContext, cluster: int,
                 losses: list[float]) -> ClientUpdate:

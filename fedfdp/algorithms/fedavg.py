@@ -30,7 +30,7 @@ from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.privacy.validation import DPRelease
 from fedfdp.seeding import RandomSource, poisson_mask, randperm, select_rows
 from fedfdp.types import (CLIENT_RELEASE, MODEL_RELEASE, ClientData, ClientUpdate, DPEvent, LocalBatch, RoundContext,
-                          StackedStepSpec, StepOutput)
+                          LocalStep, StepOutput)
 
 LocalMode = Literal["epoch", "poisson_batch"]
 
@@ -137,10 +137,11 @@ class FedAvg(Algorithm):
 
     def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
                      generator: RandomSource) -> ClientUpdate:
-        """Local SGD from ``w_t`` over :meth:`local_batches`; with ``SampleLevelDP``, :meth:`private_local_update`
-        (with ``ClientLevelDP`` the plain loop: the mechanism clips and noises at aggregation)."""
+        """Local SGD from ``w_t`` over :meth:`local_batches`; with ``SampleLevelDP``, the private steps of
+        :meth:`local_step` (with ``ClientLevelDP`` the plain loop: the mechanism clips and noises at
+        aggregation)."""
         if self.record_mechanism is not None:
-            return self.private_local_update(client, data, context, generator)
+            return super().local_update(client, data, context, generator)
         scale, lr = self.loss_scale(context), self.local_lr(context)
         losses = []
         for x, y in self.local_batches(data, generator):
@@ -224,14 +225,6 @@ class FedAvg(Algorithm):
         :mod:`fedfdp.privacy.channel`)."""
         return self.lr
 
-    def private_local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                             generator: RandomSource) -> ClientUpdate:
-        """``local_steps`` private steps, each on a fresh Poisson batch."""
-        rule, lr = self.clip_rule(context), self.local_lr(context)
-        outputs = [client.training_step(self.at_lr(self.private_batch(data, rule, generator), lr))
-                   for _ in range(self.local_steps)]
-        return self.client_update(client, data, outputs)
-
     def private_batch(self, data: ClientData, rule: ClipRule, generator: RandomSource) -> LocalBatch:
         """One private step's input at ``lr``, drawn by the mechanism (:meth:`SampleLevelDP.private_batch`)."""
         return self.mechanism.private_batch(data, rule, generator, self.lr)
@@ -249,25 +242,21 @@ class FedAvg(Algorithm):
                             dp_events=self.planned_dp_events(data.client_id, data.size),
                             diagnostics=self.mechanism.step_statistics(outputs, self.local_steps))
 
-    # ---- the private steps in a stacked round --------------------------------------------------
-    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
+    # ---- the private steps, written once ---------------------------------------------------------
+    def local_step(self, context: RoundContext) -> LocalStep | None:
         """The private steps of a client from its start model: one step (:meth:`one_step_spec`), or
-        ``local_steps`` lockstep steps (:meth:`lockstep_spec`); None without privacy, or when a
-        subclass (or mixin) replaces :meth:`local_update` or :meth:`private_local_update` (its own
-        local update must then run, unless it declares its own equivalent step from :meth:`one_step_spec`)."""
-        if self.record_mechanism is None or type(self).local_update is not FedAvg.local_update \
-                or type(self).private_local_update is not FedAvg.private_local_update:
+        ``local_steps`` steps (:meth:`lockstep_spec`); None without a record-level mechanism (the
+        plain loop of :meth:`local_update`)."""
+        if self.record_mechanism is None:
             return None
         if self.local_steps == 1:
             return self.one_step_spec(context)
         return self.lockstep_spec(context)
 
-    def lockstep_spec(self, context: RoundContext) -> StackedStepSpec:
-        """:meth:`private_local_update` with ``local_steps = K`` as K lockstep steps of a stacked round.
-
-        As in :meth:`private_local_update`, each client gets one clip rule for its K steps (made at
-        its first batch), K Poisson batches and K noise draws from its own generator, and the upload
-        of :meth:`client_update` from its K step outputs.
+    def lockstep_spec(self, context: RoundContext) -> LocalStep:
+        """``local_steps = K`` private steps: each client gets one clip rule for its K steps (made at
+        its first batch), K Poisson batches and K noise draws from its own generator (each step at
+        the round's :meth:`local_lr`), and the upload of :meth:`client_update` from its K outputs.
         """
         rules: dict[int, ClipRule] = {}
         lr = self.local_lr(context)
@@ -277,19 +266,18 @@ class FedAvg(Algorithm):
                 rules[data.client_id] = self.clip_rule(context)
             return self.at_lr(self.private_batch(data, rules[data.client_id], generator), lr)
 
-        return StackedStepSpec(
+        return LocalStep(
             batch=batch, update=lambda client, data, output: self.client_update(client, data, [output]),
             sample_rate=self.mechanism.sample_rate, steps=self.local_steps,
             update_steps=lambda client, data, outputs: self.client_update(client, data, outputs))
 
-    def one_step_spec(self, context: RoundContext) -> StackedStepSpec | None:
-        """:meth:`private_local_update` with ``local_steps = 1`` in the two halves of a stacked round
-        (None for several steps, or without privacy): the client's private batch and fresh clip rule,
-        and :meth:`client_update`."""
+    def one_step_spec(self, context: RoundContext) -> LocalStep | None:
+        """``local_steps = 1``: the client's private batch and fresh clip rule, and :meth:`client_update`
+        (None for several steps, or without privacy)."""
         if self.record_mechanism is None or self.local_steps != 1:
             return None
         lr = self.local_lr(context)
-        return StackedStepSpec(
+        return LocalStep(
             batch=lambda data, generator: self.at_lr(self.private_batch(data, self.clip_rule(context), generator), lr),
             update=lambda client, data, output: self.client_update(client, data, [output]),
             sample_rate=self.mechanism.sample_rate)

@@ -29,15 +29,14 @@ from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 
 from fedfdp.algorithms.client_state import ClientStateStore
+from fedfdp.algorithms.base import after_upload
 from fedfdp.algorithms.fedavg import FedAvg
 from fedfdp.client import trainable
 from fedfdp.errors import require
 from fedfdp.privacy.sample_level import SampleLevelDP
-from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import ClientUpdate, LocalStep, RoundContext
 
 if TYPE_CHECKING:
-    from fedfdp.client import ClientModule
     from fedfdp.interfaces import FederationView
 
 __all__ = ["DPFedAvgFineTune"]
@@ -68,7 +67,7 @@ class DPFedAvgFineTune(FedAvg):
     """
 
     runs_without_privacy = False
-    supports_distributed = False  # per-client models kept by local_update (see Algorithm)
+    supports_distributed = False  # per-client models kept by local_step (see Algorithm)
     #: Each evaluated model is the released global model (EMA), or that model followed by the
     #: client's own chain of charged DP-SGD steps.
     evaluated_models_covered: ClassVar[bool] = True
@@ -137,33 +136,18 @@ class DPFedAvgFineTune(FedAvg):
         own = self.client_state.get(client_id, _MODEL)
         return self.finetune_start if own is None else own
 
-    def local_update(self, client: ClientModule, data: ClientData, context: RoundContext,
-                     generator: RandomSource) -> ClientUpdate:
-        """DP-FedAvg's private steps, at ``finetune_lr`` from ``v_i`` when fine-tuning (kept as the new ``v_i``)."""
-        finetuning = _finetuning(context)
-        update = super().local_update(client, data, context, generator)  # at local_lr(context)
-        if finetuning:
-            self.client_state.set(data.client_id, _MODEL, update.params.detach().clone())
-        return update
+    def local_step(self, context: RoundContext) -> LocalStep | None:
+        """DP-FedAvg's private steps (at :meth:`local_lr`: ``finetune_lr`` when fine-tuning, from ``v_i``),
+        their result kept as the new ``v_i`` when fine-tuning."""
+        step = super().local_step(context)
+        if step is None or not _finetuning(context):
+            return step
 
-    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """:meth:`local_update` as one private step per client (``local_steps = 1``): the phase's learning
-        rate, and the result kept as ``v_i`` when fine-tuning; None for several steps or a subclass with
-        its own ``local_update``."""
-        if type(self).local_update is not DPFedAvgFineTune.local_update:
-            return None
-        spec = self.one_step_spec(context)
-        if spec is None:
-            return None
-        finetuning = _finetuning(context)  # the spec's batches are at local_lr(context)
+        def keep(update: ClientUpdate) -> ClientUpdate:
+            self.client_state.set(update.client_id, _MODEL, update.params.detach().clone())
+            return update
 
-        def update(client: ClientModule, data: ClientData, output: StepOutput) -> ClientUpdate:
-            result = spec.update(client, data, output)
-            if finetuning:
-                self.client_state.set(data.client_id, _MODEL, result.params.detach().clone())
-            return result
-
-        return StackedStepSpec(batch=spec.batch, update=update, sample_rate=spec.sample_rate)
+        return after_upload(step, keep)
 
     def local_lr(self, context: RoundContext) -> float:
         """The phase's learning rate: ``finetune_lr`` when fine-tuning, else ``lr``."""

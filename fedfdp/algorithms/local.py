@@ -26,18 +26,18 @@ The baseline every federated method must beat (issue 23): what a client gets by 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from fedfdp.algorithms.base import after_upload
 from fedfdp.algorithms.client_state import ClientStateStore
 from fedfdp.algorithms.fedavg import FedAvg, LocalMode
 from fedfdp.errors import require
 from fedfdp.privacy.sample_level import SampleLevelDP
 from fedfdp.seeding import RandomSource
-from fedfdp.types import ClientData, ClientUpdate, RoundContext, StackedStepSpec, StepOutput
+from fedfdp.types import ClientData, ClientUpdate, LocalStep, RoundContext
 
 if TYPE_CHECKING:
     from fedfdp.interfaces import FederationView
@@ -76,30 +76,23 @@ class _LocalOnly:
         own = self.client_state.get(client_id, _MODEL)
         return global_params if own is None else own
 
-    def local_update(self, client: Any, data: ClientData, context: RoundContext,
-                     generator: RandomSource) -> ClientUpdate:
-        """The parent's local loop from ``v_i``; its result becomes the new ``v_i``."""
-        update = super().local_update(client, data, context, generator)  # type: ignore[misc]
-        self.client_state.set(data.client_id, _MODEL, update.params.detach().clone())
+    def _keep(self, update: ClientUpdate) -> ClientUpdate:
+        """The upload's model becomes the client's own model ``v_i``."""
+        self.client_state.set(update.client_id, _MODEL, update.params.detach().clone())
         return update
 
-    def stackable_step(self, context: RoundContext) -> StackedStepSpec | None:
-        """The parent's one private step (DP-SGD, ``local_steps = 1``) from each client's own model, its
-        result kept as the new ``v_i``, as :meth:`local_update` does; None for the non-private parent,
-        several steps, or a subclass with its own ``local_update``."""
-        one_step = getattr(self, "one_step_spec", None)
-        if one_step is None or type(self).local_update is not _LocalOnly.local_update:
-            return None
-        spec = one_step(context)
-        if spec is None:
-            return None
+    def local_update(self, client: Any, data: ClientData, context: RoundContext,
+                     generator: RandomSource) -> ClientUpdate:
+        """The parent's local loop from ``v_i``; its result becomes the new ``v_i`` (the private steps
+        keep it in :meth:`local_step`)."""
+        update = super().local_update(client, data, context, generator)  # type: ignore[misc]
+        return update if self.local_step(context) is not None else self._keep(update)
 
-        def update(client: Any, data: ClientData, output: StepOutput) -> ClientUpdate:
-            result = spec.update(client, data, output)
-            self.client_state.set(data.client_id, _MODEL, result.params.detach().clone())
-            return result
-
-        return replace(spec, update=update)
+    def local_step(self, context: RoundContext) -> LocalStep | None:
+        """The parent's private steps from each client's own model, their result kept as the new ``v_i``
+        (None for the non-private parent: :meth:`local_update` keeps the plain loop's result)."""
+        step = super().local_step(context)  # type: ignore[misc]
+        return None if step is None else after_upload(step, self._keep)
 
     def aggregate(self, global_params: Tensor, updates: list[ClientUpdate], context: RoundContext) -> Tensor:
         """Nothing is aggregated: ``w_t`` itself (a zero pseudo-gradient for the server optimizer)."""

@@ -327,6 +327,21 @@ def test_stacked_and_client_by_client_rounds_agree(scope):
     torch.testing.assert_close(flat(stacked.global_model), flat(single.global_model))
 
 
+@SCOPES
+def test_several_local_steps_in_lockstep_agree_with_client_by_client(scope, monkeypatch):
+    """3 steps a round, the count of each released after its step (client scope: the bound moves
+    within the round): the step written once gives the same bounds and model on both schedulers."""
+    from fedfdp.stacked import StackedRound
+
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    make = lambda: adaclip(local_steps=3, clip_lr=1.0, bound_scope=scope)  # noqa: E731
+    assert make().stackable_step(RoundContext(0)) is not None
+    stacked, acc_s, rec_s = _fit(make(), stacked_round=True)
+    single, acc_1, rec_1 = _fit(make(), stacked_round=False)
+    assert rec_s.bounds == rec_1.bounds and rec_s.used == rec_1.used and acc_s.epsilon() == acc_1.epsilon()
+    torch.testing.assert_close(flat(stacked.global_model), flat(single.global_model))
+
+
 def test_several_local_steps_adapt_a_client_bound_after_every_step():
     fed, acc, record = _fit(adaclip(local_steps=3, clip_lr=1.0, bound_scope="client"), rounds=1)
     assert all(e == DPEvent(noise_multiplier=1.0, sample_rate=0.2, steps=3) for _, _, _, e in record.events)

@@ -107,9 +107,11 @@ def test_dp_local_only_epsilon_and_rounds_are_dp_fedavgs():
 def test_privacy_flags():
     assert LocalOnly(**private()).evaluated_models_covered is True
     assert not LocalOnly.supports_distributed and not LocalOnly(**private()).supports_distributed
-    # one private step from each client's own model: stacked through the grouped network (tests/engine/test_stacked.py)
+    # the private steps from each client's own model, one or several: stacked through the grouped
+    # network (tests/engine/test_stacked.py); the plain loop runs per client
     assert LocalOnly(**private()).stackable_step(RoundContext(0)) is not None
-    assert LocalOnly(**private(local_steps=2)).stackable_step(RoundContext(0)) is None
+    assert LocalOnly(**private(local_steps=2)).stackable_step(RoundContext(0)) is not None
+    assert LocalOnly(lr=0.1).stackable_step(RoundContext(0)) is None
 
 
 def test_resume_restores_the_clients_models_bitwise(tmp_path):

@@ -95,14 +95,16 @@ def _run_plain(algorithm_factory, net_kind: str, stacked: bool, rounds: int):
 
 
 @pytest.mark.parametrize("net_kind", ["mlp", "conv", "resnet"])
-@pytest.mark.parametrize("algorithm", ["local_dp", "finetune"])
-def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monkeypatch, algorithm, net_kind):
+@pytest.mark.parametrize(("algorithm", "steps"), [("local_dp", 1), ("finetune", 1), ("local_dp", 3), ("finetune", 3)])
+def test_stacked_round_from_each_clients_own_model_equals_per_client_round(monkeypatch, algorithm, steps, net_kind):
     """Local-only DP-SGD and the fine-tuning phase start every client from its own model: one pass
-    through the grouped network, the same models, releases and ε as client by client."""
+    through the grouped network (a step of every client a pass), the same models, releases and ε
+    as client by client: the step is written once (``local_step``) and kept as v_i on both."""
     from fedfdp.algorithms import DPFedAvgFineTune, LocalOnly
 
-    factory = ((lambda: private(LocalOnly, **DP)) if algorithm == "local_dp"
-               else (lambda: private(DPFedAvgFineTune, finetune_fraction=0.5, finetune_lr=0.3, **DP)))
+    monkeypatch.setattr(StackedRound, "lockstep_on_cpu", True)
+    factory = ((lambda: private(LocalOnly, **DP, local_steps=steps)) if algorithm == "local_dp"
+               else (lambda: private(DPFedAvgFineTune, finetune_fraction=0.5, finetune_lr=0.3, **DP, local_steps=steps)))
     counter = CountStacked(monkeypatch)
     stacked = _run_plain(factory, net_kind, stacked=True, rounds=4)
     assert counter.rounds == 4
