@@ -23,7 +23,7 @@ for s in 0 1 2; do
   run client_dp_adaptive_eps2 configs/tuned/population_client_dp_adaptive.yaml $s
   run fedavg_nonprivate configs/tuned/population_fedavg.yaml $s
 done
-for e in 1 4 8; do for s in 0 1 2; do
-  run client_dp_fixed_eps$e configs/tuned/population_client_dp.yaml $s --trainer.callbacks.init_args.target_epsilon $e
-  run client_dp_adaptive_eps$e configs/tuned/population_client_dp_adaptive.yaml $s --trainer.callbacks.init_args.target_epsilon $e
-done; done
+for e in 1 4 8; do  # a row's three seeds before the next row's (a row is committed once it has all three)
+  for s in 0 1 2; do run client_dp_fixed_eps$e configs/tuned/population_client_dp.yaml $s --trainer.callbacks.init_args.target_epsilon $e; done
+  for s in 0 1 2; do run client_dp_adaptive_eps$e configs/tuned/population_client_dp_adaptive.yaml $s --trainer.callbacks.init_args.target_epsilon $e; done
+done
